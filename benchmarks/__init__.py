@@ -1,0 +1,1 @@
+"""Benchmark scripts: each prints a Markdown table and writes JSON (see README.md)."""

@@ -1,0 +1,212 @@
+"""Lookahead decoding against plain decoding, paired prompt by prompt, on real prompts.
+
+    python -m benchmarks.lookahead_bench --num_prompts=20 \
+        --settings=15,5,15:7,5,7:5,3,5 --seeding=off,on --out=benchmarks/results/lookahead_bench.json
+    python -m benchmarks.lookahead_bench --datasets=humaneval --num_prompts=10 \
+        --settings=1,5,1:3,5,3:5,5,5:7,5,7:10,5,10:15,5,15 --seeding=off \
+        --plot=benchmarks/results/sweep_w.png --out=benchmarks/results/sweep_w.json     # S and speed-up against W
+
+For every prompt, plain greedy decoding runs first, then each lookahead setting, so the
+machine's noise hits all methods alike. Reported per data set and method: step compression
+S = tokens / steps (prefill counted as a step, as the reference counts), tokens/s over
+prefill + decode (compile excluded, reported apart), speed-up over plain, and whether every
+output equals plain greedy token for token. It also measures the step-cost curve (forward
+time against tokens per step) that explains the speed-ups, and writes everything as JSON
+after every prompt, so a stopped run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import time
+
+from absl import app, flags
+
+from benchmarks import common
+from lookahead_jax.config import LookaheadConfig
+from lookahead_jax.sampling import Sampling
+from lookahead_jax.step_cost import measure_step_cost, relative_cost
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", "smollm2_135m", "preset")
+flags.DEFINE_string("ckpt", None, "checkpoint override")
+flags.DEFINE_string("data_dir", None, "prompt sets (default ../shared/data)")
+flags.DEFINE_list("datasets", ["mt_bench", "humaneval", "gsm8k"], "data sets")
+flags.DEFINE_integer("num_prompts", 20, "first N prompts of each data set")
+flags.DEFINE_integer("max_new_tokens", 128, "new tokens per prompt")
+flags.DEFINE_string("settings", "15,5,15:7,5,7:5,3,5", "W,N,G settings separated by ':'")
+flags.DEFINE_list("seeding", ["off", "on"], "prompt seeding: off, on or both")
+flags.DEFINE_list("step_cost_tokens", ["1", "2", "4", "8", "16", "32", "64", "96", "128"],
+                  "tokens per step for the step-cost curve (empty: skip)")
+flags.DEFINE_string("out", "benchmarks/results/lookahead_bench.json", "JSON output")
+flags.DEFINE_string("plot", None, "PNG of S and speed-up against W (for a W sweep)")
+flags.DEFINE_float("temperature", 0.0, "0: greedy (outputs must equal plain); > 0: sampling, "
+                   "compared with plain sampling (outputs differ by design)")
+flags.DEFINE_integer("top_k", 0, "top-k when sampling (0 = off)")
+flags.DEFINE_float("top_p", 1.0, "top-p when sampling (1 = off)")
+flags.DEFINE_bool("resume", False, "keep the runs already in --out (same settings) and "
+                  "measure only the prompts it lacks")
+
+# The reference PyTorch implementation on this model and machine (shared/ALGORITHM_NOTES.md):
+# (15,5,15) without prompt seeding, S and tokens/s, first 20 prompts, 128 new tokens.
+REFERENCE = {"mt_bench": (1.64, 8.7), "humaneval": (1.82, 9.5), "gsm8k": (1.94, 10.2)}
+
+
+def load_prompts(engine, name: str, n: int) -> list[list[int]]:
+    """Token ids: MT-Bench turn 1 and GSM8K with the chat template, HumanEval raw."""
+    if name == "mt_bench":
+        texts, chat = common.mt_bench_turn1(FLAGS.data_dir, n), True
+    elif name == "humaneval":
+        texts, chat = common.humaneval_prompts(FLAGS.data_dir, n), False
+    elif name == "gsm8k":
+        texts, chat = common.gsm8k_questions(FLAGS.data_dir, n), True
+    else:
+        raise app.UsageError(f"unknown data set {name!r}: mt_bench, humaneval or gsm8k")
+    return [engine.encode(t, chat=chat) for t in texts]
+
+
+def parse_settings() -> list[LookaheadConfig]:
+    out = []
+    for part in FLAGS.settings.split(":"):
+        w, n, g = (int(x) for x in part.split(","))
+        for seeding in FLAGS.seeding:
+            out.append(LookaheadConfig(W=w, N=n, G=g, prompt_seeding=seeding == "on"))
+    return out
+
+
+def label(cfg: LookaheadConfig | None) -> str:
+    if cfg is None:
+        return "plain"
+    return f"({cfg.W},{cfg.N},{cfg.G})" + (" +prompt" if cfg.prompt_seeding else "")
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per (data set, method): totals and ratios over its prompts."""
+    groups = collections.defaultdict(list)
+    for r in runs:
+        groups[(r["dataset"], r["method"])].append(r)
+    rows = []
+    for (ds, method), rs in groups.items():
+        tokens = sum(r["tokens"] for r in rs)
+        steps = sum(r["steps"] for r in rs)
+        secs = sum(r["prefill_s"] + r["decode_s"] for r in rs)
+        hist = [sum(x) for x in zip(*[r["accepted_hist"] for r in rs])] if rs[0].get(
+            "accepted_hist") else None
+        rows.append({"dataset": ds, "method": method, "prompts": len(rs), "tokens": tokens,
+                     "steps": steps, "S": tokens / steps, "tokens_per_s": tokens / secs,
+                     "exact": (sum(r["exact"] for r in rs) if rs[0]["exact"] is not None
+                               else None), "accepted_hist": hist,
+                     "W": rs[0].get("W"), "N": rs[0].get("N"), "G": rs[0].get("G"),
+                     "step_tokens": rs[0].get("step_tokens", 1)})
+    for row in rows:
+        plain = next(r for r in rows if r["dataset"] == row["dataset"] and r["method"] == "plain")
+        row["speedup"] = row["tokens_per_s"] / plain["tokens_per_s"]
+    return rows
+
+
+def plot_sweep(rows: list[dict], path: str) -> None:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ds in sorted({r["dataset"] for r in rows}):
+        pts = sorted((r["W"], r["S"], r["speedup"]) for r in rows
+                     if r["dataset"] == ds and r["method"] != "plain")
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=ds)
+        axes[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=ds)
+    axes[0].set(xlabel="W (N=5, G=W)", ylabel="step compression S", title="S against W")
+    axes[1].axhline(1.0, color="gray", lw=0.8)
+    axes[1].set(xlabel="W (N=5, G=W)", ylabel="speed-up over plain (wall clock)",
+                title="speed-up against W")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv):
+    del argv
+    from lookahead_jax.presets import load_engine  # noqa: PLC0415
+    engine = load_engine(FLAGS.config, ckpt=FLAGS.ckpt)
+    settings = parse_settings()
+    data = {ds: load_prompts(engine, ds, FLAGS.num_prompts) for ds in FLAGS.datasets}
+    sampling = Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
+    report = {"machine": common.machine_info(), "config": FLAGS.config,
+              "sampling": dataclasses.asdict(sampling), "max_new_tokens": FLAGS.max_new_tokens, "num_prompts": FLAGS.num_prompts,
+              "settings": [label(c) for c in settings], "runs": [], "compile_s": 0.0}
+    if FLAGS.resume and os.path.exists(FLAGS.out):
+        with open(FLAGS.out, encoding="utf-8") as f:
+            old = json.load(f)
+        if ((old["settings"], old["max_new_tokens"], old.get("sampling", dataclasses.asdict(Sampling())))
+                != (report["settings"], FLAGS.max_new_tokens, report["sampling"])):
+            raise app.UsageError(f"--resume: {FLAGS.out} was measured with other settings")
+        report.update(runs=old["runs"], compile_s=old["compile_s"])
+        report["step_cost_s"] = {int(k): v for k, v in old.get("step_cost_s", {}).items()}
+    measured = {(r["dataset"], r["prompt"]) for r in report["runs"]}
+
+    if FLAGS.step_cost_tokens and not report.get("step_cost_s"):
+        ts = [int(t) for t in FLAGS.step_cost_tokens]
+        costs = measure_step_cost(engine.graphdef, engine.params, ts, cache_len=256)
+        report["step_cost_s"] = costs
+        print(common.markdown_table(
+            ["tokens per step", "forward ms", "x one-token step"],
+            [[t, 1e3 * c, c / costs[ts[0]]] for t, c in costs.items()]))
+
+    t_start = time.time()
+    for ds, prompts in data.items():
+        for i, ids in enumerate(prompts):
+            if (ds, i) in measured:
+                continue
+            common_kw = dict(max_new_tokens=FLAGS.max_new_tokens, sampling=sampling, seed=i)
+            plain = engine.generate_ids([ids], method="ar", **common_kw)
+            runs = [(None, plain)]
+            for cfg in settings:
+                runs.append((cfg, engine.generate_ids([ids], method="lookahead", lookahead=cfg,
+                                                      **common_kw)))
+            for cfg, res in runs:
+                st = res.stats
+                report["compile_s"] += st.compile_s
+                report["runs"].append({
+                    "dataset": ds, "prompt": i, "method": label(cfg), "tokens": st.total_tokens,
+                    "steps": st.steps, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
+                    "exact": res.tokens == plain.tokens if sampling.greedy else None,
+                    "accepted_hist": st.extra.get("accepted_hist"),
+                    "W": cfg and cfg.W, "N": cfg and cfg.N, "G": cfg and cfg.G,
+                    "step_tokens": cfg.step_tokens if cfg else 1})
+            done = [r for r in report["runs"] if r["dataset"] == ds and r["method"] != "plain"]
+            exact = (f"exact {sum(r['exact'] for r in done)}/{len(done)}" if sampling.greedy
+                     else "sampling")
+            print(f"{ds} {i + 1}/{len(prompts)}: {exact}  ({time.time() - t_start:.0f}s)",
+                  flush=True)
+            report["summary"] = summarize(report["runs"])
+            common.write_json(FLAGS.out, report)
+
+    rows = report["summary"] = summarize(report["runs"])
+    common.write_json(FLAGS.out, report)
+    costs = report.get("step_cost_s")
+    table = []
+    for r in rows:
+        ref = (REFERENCE.get(r["dataset"]) if r["method"] == "(15,5,15)" and sampling.greedy
+               else None)
+        pred = (r["S"] / relative_cost(costs, r["step_tokens"])) if costs else float("nan")
+        exact = "n/a" if r["exact"] is None else f"{r['exact']}/{r['prompts']}"
+        table.append([r["dataset"], r["method"], exact, r["S"],
+                      f"{ref[0]:.2f}" if ref else "", r["tokens_per_s"],
+                      f"{ref[1]:.1f}" if ref else "", r["speedup"], pred])
+    print()
+    print(common.markdown_table(
+        ["data set", "method", "exact", "S", "ref S", "tokens/s", "ref tokens/s",
+         "speed-up", "predicted from step cost"], table))
+    print(f"\ncompile time (excluded above): {report['compile_s']:.0f}s; "
+          f"JSON: {FLAGS.out}")
+    if FLAGS.plot:
+        plot_sweep(rows, FLAGS.plot)
+        print(f"plot: {FLAGS.plot}")
+
+
+if __name__ == "__main__":
+    app.run(main)

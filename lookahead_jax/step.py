@@ -1,0 +1,204 @@
+"""One lookahead decoding step, and the compiled loop that repeats it.
+
+Each step feeds [current token | window | candidates] (see `layout.py`) through the model in
+one forward pass, then:
+  1. the window's newest level becomes the argmax at its positions (`window.py`);
+  2. once the window is full, its W completed n-grams go into the pool (`ngram_pool.py`);
+  3. the candidates, looked up in the pool by the current token, are verified (`verify.py`);
+  4. the accepted tokens' K/V are committed from the verification branch itself, and the
+     accepted tokens plus the model's next token are emitted.
+The whole generation after prefill is one `lax.while_loop` (`lookahead_run`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from lookahead_jax.config import LookaheadConfig
+from lookahead_jax.generation import Output, prefill, run_steps
+from lookahead_jax.layout import StepLayout
+from lookahead_jax.ngram_pool import NGramPool, committed_ngrams, prompt_ngrams
+from lookahead_jax.sampling import Sampling
+from lookahead_jax.verify import Verdict, verify_greedy, verify_sampling
+from lookahead_jax.window import Window
+from models.kv_cache import KVCache
+
+# (key, sampling, logits at the current token [B,V], at the candidates [B,G,N-1,V],
+#  candidates [B,G,N-1], validity [B,G]) -> Verdict
+Verifier = Callable[[jax.Array, Sampling, jax.Array, jax.Array, jax.Array, jax.Array], Verdict]
+
+
+@struct.dataclass
+class LookaheadStats:
+    accepted_hist: jax.Array  # [N] int32: steps that accepted k candidate tokens, k = 0..N-1
+    pool_hits: jax.Array  # [] int32: live row-steps whose current token had a candidate
+    row_steps: jax.Array  # [] int32: live row-steps
+
+
+@struct.dataclass
+class LookaheadState:
+    cache: KVCache
+    out: Output
+    token: jax.Array  # [B] int32, the current token: emitted, not yet in the cache
+    window: Window
+    pool: NGramPool
+    history: jax.Array  # [B, N-1] the last committed tokens (for prompt seeding)
+    hist_len: jax.Array  # [B]
+    key: jax.Array
+    steps: jax.Array  # [] int32, forward passes (prefill included)
+    stats: LookaheadStats
+
+
+def lookahead_init(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
+                   lengths: jax.Array, cache: KVCache, key: jax.Array, *, cfg: LookaheadConfig,
+                   sampling: Sampling, max_new_tokens: int, eos_ids: tuple[int, ...],
+                   vocab_size: int) -> LookaheadState:
+    """Prefill, first token, initial window and pool (seeded with the prompt's n-grams if
+    enabled). tokens [B, P] right-padded, lengths [B]."""
+    model = nnx.merge(graphdef, params)
+    b = tokens.shape[0]
+    logits, cache = prefill(model, tokens, lengths, cache)
+    key, k_first, k_window = jax.random.split(key, 3)
+    first = sampling.sample(k_first, logits)
+    out, _ = Output.init(b, max_new_tokens).emit(first[:, None], jnp.ones_like(lengths), eos_ids)
+    window = Window.init(k_window, tokens, lengths, cfg, vocab_size)
+    pool = NGramPool.init(b, cfg.keys(vocab_size) if cfg.G else 1, cfg.slots, cfg.N)
+    n1 = cfg.N - 1
+    pos = lengths[:, None] - n1 + jnp.arange(n1)[None, :]
+    history = jnp.take_along_axis(tokens, jnp.maximum(pos, 0), axis=1)
+    hist_len = jnp.minimum(lengths, n1)
+    if cfg.prompt_seeding and cfg.G:
+        pool = pool.insert(*prompt_ngrams(tokens, lengths, cfg.N))
+        grams, valid, history, hist_len = committed_ngrams(history, hist_len, first[:, None],
+                                                           jnp.ones_like(lengths))
+        pool = pool.insert(grams, valid)
+    stats = LookaheadStats(jnp.zeros((cfg.N,), jnp.int32), jnp.zeros((), jnp.int32),
+                           jnp.zeros((), jnp.int32))
+    return LookaheadState(cache, out, first, window, pool, history, hist_len, key,
+                          jnp.ones((), jnp.int32), stats)
+
+
+def lookahead_step(model: nnx.Module, state: LookaheadState, *, cfg: LookaheadConfig,
+                   sampling: Sampling, eos_ids: tuple[int, ...],
+                   verifier: Verifier = verify_sampling) -> LookaheadState:
+    """One forward pass over [current | window | candidates]; emits 1..N tokens per row.
+
+    `verifier` decides the tokens when sampling (temperature > 0); greedy uses verify_greedy.
+    """
+    layout = StepLayout.of(cfg)
+    cache = state.cache
+    b = state.token.shape[0]
+    live = ~state.out.done
+    win_idx = jnp.asarray(layout.window_index)
+    cand_idx = jnp.asarray(layout.candidate_index)
+
+    grid = state.window.with_current(state.token)  # [B, N-1, W]
+    step_tokens = jnp.zeros((b, layout.size), jnp.int32).at[:, win_idx].set(grid)
+    if cfg.G:
+        cands, cand_valid = state.pool.lookup(state.token, cfg.G)  # [B, G, N-1], [B, G]
+        step_tokens = step_tokens.at[:, cand_idx].set(cands)
+    else:
+        cands = jnp.zeros((b, 0, cfg.N - 1), jnp.int32)
+        cand_valid = jnp.zeros((b, 0), bool)
+    positions = cache.length[:, None] + jnp.asarray(layout.offsets)[None, :]
+    t = layout.size
+    mask = jnp.concatenate([jnp.broadcast_to(cache.visible()[:, None, :], (b, t, cache.max_len)),
+                            jnp.broadcast_to(jnp.asarray(layout.mask)[None], (b, t, t))], axis=-1)
+    # logits only where they are read: the current token, the newest window level, candidates
+    readout = jnp.concatenate([jnp.zeros((1,), jnp.int32), state.window.newest_index(win_idx),
+                               cand_idx.reshape(-1)])
+    logits, new_kv = model(step_tokens, positions, mask, cache,
+                           logits_at=jnp.broadcast_to(readout[None], (b, readout.shape[0])))
+    preds = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1 + W + G(N-1)]
+    next0, new_level = preds[:, 0], preds[:, 1: 1 + cfg.W]
+    cand_preds = preds[:, 1 + cfg.W:].reshape(b, cfg.G, cfg.N - 1)
+
+    # 1-2. window: the newest level, and the W n-grams it completes once full
+    pool = state.pool
+    if cfg.G:
+        harvest = jnp.broadcast_to((live & state.window.full)[:, None], (b, cfg.W))
+        pool = pool.insert(state.window.ngrams(grid, new_level), harvest)
+    window = state.window.advance(grid, new_level)
+
+    # 3. verification: greedy, or the rejection scheme that keeps the sampling distribution
+    key = state.key
+    if sampling.greedy:
+        verdict = verify_greedy(next0, cand_preds, cands, cand_valid)
+    else:
+        key, sub = jax.random.split(key)
+        verdict = verifier(sub, sampling, logits[:, 0],
+                           logits[:, 1 + cfg.W:].reshape(b, cfg.G, cfg.N - 1, logits.shape[-1]), cands,
+                           cand_valid)
+
+    # 4. commit: the current token's K/V, then the accepted candidate tokens' own K/V
+    rows = jnp.arange(b)
+    src = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
+                           cand_idx[verdict.best] if cfg.G else jnp.zeros((b, 0), jnp.int32)],
+                          axis=1)
+    cache = cache.append(new_kv, src[:, : cfg.N], jnp.where(live, verdict.count, 0))
+    out, taken = state.out.emit(verdict.tokens, verdict.count, eos_ids)
+    token = verdict.tokens[rows, verdict.accepted]
+
+    history, hist_len = state.history, state.hist_len
+    if cfg.prompt_seeding and cfg.G:
+        grams, valid, history, hist_len = committed_ngrams(history, hist_len, verdict.tokens, taken)
+        pool = pool.insert(grams, valid)
+
+    live_i = live.astype(jnp.int32)
+    stats = LookaheadStats(
+        state.stats.accepted_hist.at[verdict.accepted].add(live_i),
+        state.stats.pool_hits + (cand_valid.any(-1) & live).sum(dtype=jnp.int32),
+        state.stats.row_steps + live_i.sum())
+    return LookaheadState(cache, out, token, window, pool, history, hist_len, key,
+                          state.steps + 1, stats)
+
+
+def lookahead_run(graphdef: nnx.GraphDef, params: nnx.State, state: LookaheadState,
+                  max_steps: jax.Array, *, cfg: LookaheadConfig, sampling: Sampling,
+                  eos_ids: tuple[int, ...], verifier: Verifier = verify_sampling) -> LookaheadState:
+    """Up to `max_steps` lookahead steps (or until every row is done) in one while_loop."""
+    model = nnx.merge(graphdef, params)
+    return run_steps(lambda s: lookahead_step(model, s, cfg=cfg, sampling=sampling,
+                                              eos_ids=eos_ids, verifier=verifier),
+                     state, max_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookahead:
+    """Lookahead decoding (`--method=lookahead`) with settings `config`."""
+
+    config: LookaheadConfig = LookaheadConfig()
+    sampling: Sampling = Sampling()
+    verifier: Verifier = verify_sampling  # the acceptance rule used when sampling
+    name = "lookahead"
+
+    @property
+    def step_tokens(self) -> int:
+        return self.config.N  # most tokens one step commits
+
+    def init(self, graphdef, params, tokens, lengths, cache, key, *, max_new_tokens, eos_ids,
+             vocab_size):
+        return lookahead_init(graphdef, params, tokens, lengths, cache, key, cfg=self.config,
+                              sampling=self.sampling, max_new_tokens=max_new_tokens,
+                              eos_ids=eos_ids, vocab_size=vocab_size)
+
+    def run(self, graphdef, params, state, max_steps, *, eos_ids):
+        return lookahead_run(graphdef, params, state, max_steps, cfg=self.config,
+                             sampling=self.sampling, eos_ids=eos_ids, verifier=self.verifier)
+
+    def summary(self, state: LookaheadState) -> dict:
+        hist = np.asarray(state.stats.accepted_hist)
+        row_steps = int(state.stats.row_steps)
+        return {
+            "W": self.config.W, "N": self.config.N, "G": self.config.G,
+            "prompt_seeding": self.config.prompt_seeding,
+            "accepted_hist": hist.tolist(),
+            "pool_hit_rate": int(state.stats.pool_hits) / row_steps if row_steps else 0.0,
+            "pool_bytes": state.pool.nbytes,
+        }

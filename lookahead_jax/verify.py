@@ -1,0 +1,112 @@
+"""The verification branch: which candidate tokens the model agrees with.
+
+Sampling: `verify_sampling`, the multi-candidate rejection scheme, below.
+
+Greedy: candidate g's token j is accepted while it equals the model's argmax at the position
+before it; the longest accepted prefix over all candidates wins (the first on ties). The
+model's own prediction after the last accepted token is emitted too, so a step always yields
+at least one token and a fully matched candidate yields N.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from lookahead_jax.sampling import Sampling
+
+
+@struct.dataclass
+class Verdict:
+    accepted: jax.Array  # [B] int32, candidate tokens accepted (0..N-1)
+    best: jax.Array  # [B] int32, the winning candidate
+    tokens: jax.Array  # [B, N] int32, accepted tokens then the model's next token
+    count: jax.Array  # [B] int32, accepted + 1
+
+
+def verify_greedy(next0: jax.Array, cand_preds: jax.Array, cands: jax.Array,
+                  valid: jax.Array) -> Verdict:
+    """next0 [B]: argmax at the current token; cand_preds [B, G, N-1]: argmax at each
+    candidate token; cands [B, G, N-1]: the candidates; valid [B, G]."""
+    b, g, n1 = cands.shape
+    if g == 0:
+        tokens = jnp.zeros((b, n1 + 1), jnp.int32).at[:, 0].set(next0)
+        zero = jnp.zeros((b,), jnp.int32)
+        return Verdict(zero, zero, tokens, zero + 1)
+    expected = jnp.concatenate([jnp.broadcast_to(next0[:, None, None], (b, g, 1)),
+                                cand_preds[:, :, :-1]], axis=2)  # model's token at each slot
+    match = (cands == expected) & valid[:, :, None]
+    lengths = jnp.cumprod(match, axis=2).sum(2).astype(jnp.int32)  # [B, G]
+    best = jnp.argmax(lengths, axis=1).astype(jnp.int32)
+    rows = jnp.arange(b)
+    k = lengths[rows, best]
+    # after k accepted tokens the model's next token is its prediction at the k-th one
+    bonus_after = jnp.concatenate([next0[:, None], cand_preds[rows, best]], axis=1)  # [B, N]
+    bonus = jnp.take_along_axis(bonus_after, k[:, None], axis=1)[:, 0]
+    tokens = jnp.concatenate([cands[rows, best], jnp.zeros((b, 1), jnp.int32)], axis=1)
+    tokens = jnp.where(jnp.arange(n1 + 1)[None, :] == k[:, None], bonus[:, None], tokens)
+    return Verdict(k, best, tokens, k + 1)
+
+
+def verify_sampling(key: jax.Array, sampling: Sampling, logits0: jax.Array,
+                    cand_logits: jax.Array, cands: jax.Array, valid: jax.Array) -> Verdict:
+    """Multi-candidate rejection sampling (the paper's Algorithm 4); keeps the target
+    distribution exactly for deterministic (greedy-window) drafts.
+
+    At each position the surviving candidates' distinct next tokens are tried in order: token
+    c is accepted with probability P(c) under the residual target distribution P (warped by
+    `sampling`, renormalised); on rejection P(c) is set to 0. After an accept only the
+    candidates carrying that token survive; when every distinct token is rejected, a token is
+    drawn from the residual and the step ends. After N-1 accepted tokens the next token is
+    drawn from the target at the last one.
+
+    logits0 [B, V]: at the current token; cand_logits [B, G, N-1, V]: at each candidate token;
+    cands [B, G, N-1]; valid [B, G].
+    """
+    b, g, n1 = cands.shape
+    rows = jnp.arange(b)
+    k_try, k_res = jax.random.split(key)
+    u = jax.random.uniform(k_try, (b, n1, max(g, 1)))
+    res_keys = jax.random.split(k_res, n1 + 1)
+
+    def target(logits):
+        return jax.nn.softmax(sampling.log_probs(logits), axis=-1)
+
+    probs = target(logits0)
+    alive = valid
+    accepted = jnp.zeros((b,), jnp.int32)
+    stopped = jnp.zeros((b,), bool)
+    final = jnp.zeros((b,), jnp.int32)
+    for j in range(n1 if g else 0):
+        active = ~stopped
+        res = probs
+        decided = ~active
+        token_j = jnp.zeros((b,), jnp.int32)
+        for gi in range(g):
+            c = cands[:, gi, j]
+            seen = jnp.zeros((b,), bool)
+            for gp in range(gi):  # the same token is never tried twice at one position
+                seen = seen | (alive[:, gp] & (cands[:, gp, j] == c))
+            trial = alive[:, gi] & ~decided & ~seen
+            p_c = res[rows, c] / jnp.maximum(res.sum(-1), 1e-30)
+            accept = trial & (u[:, j, gi] < p_c)
+            reject = trial & ~accept
+            res = jnp.where(reject[:, None], res.at[rows, c].set(0.0), res)
+            token_j = jnp.where(accept, c, token_j)
+            decided = decided | accept
+        took = decided & active
+        drawn = jax.random.categorical(res_keys[j], jnp.log(res), axis=-1).astype(jnp.int32)
+        final = jnp.where(active & ~took, drawn, final)
+        stopped = stopped | (active & ~took)
+        accepted = accepted + took.astype(jnp.int32)
+        alive = jnp.where(took[:, None], alive & (cands[:, :, j] == token_j[:, None]), alive)
+        rep = jnp.argmax(alive, axis=1)
+        probs = target(cand_logits[rows, rep, j])
+    drawn = jax.random.categorical(res_keys[n1], jnp.log(probs), axis=-1).astype(jnp.int32)
+    final = jnp.where(stopped, final, drawn)
+    best = jnp.argmax(alive, axis=1).astype(jnp.int32) if g else jnp.zeros((b,), jnp.int32)
+    base = cands[rows, best] if g else jnp.zeros((b, n1), jnp.int32)
+    tokens = jnp.concatenate([base, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    tokens = jnp.where(jnp.arange(n1 + 1)[None, :] == accepted[:, None], final[:, None], tokens)
+    return Verdict(accepted, best, tokens, accepted + 1)
