@@ -65,6 +65,9 @@ def define_flags() -> None:
     f.DEFINE_bool("prompt_seeding", None, "Seed the n-gram pool with the prompt's n-grams "
                   "(default: the preset's).")
     f.DEFINE_integer("cache_len", None, "KV cache slots (default: just enough).")
+    f.DEFINE_enum("attention", None, ["dense", "pallas", "auto"], "Attention of the lookahead "
+                  "steps: dense, the block-sparse Pallas kernel (GPU/TPU only), or auto (the "
+                  "kernel where the platform has one, else dense). Default: dense.")
     f.DEFINE_bool("chat", None, "Wrap prompts in the chat template (default: the preset's); "
                   "raw text when false.")
     f.DEFINE_string("json_out", None, "Write the prompts, outputs and stats to this JSON file.")
@@ -92,6 +95,7 @@ class Options:
     G: int | None = None
     prompt_seeding: bool | None = None
     cache_len: int | None = None
+    attention: str | None = None
     chat: bool | None = None
     json_out: str | None = None
 
@@ -178,9 +182,15 @@ def resolve_settings(opts: Options, preset):
     if method == "ar":
         if overrides:
             raise ConfigError(f"--{'/--'.join(overrides)} only apply to --method=lookahead")
+        if opts.attention == "pallas":
+            raise ConfigError("--attention=pallas only applies to --method=lookahead")
         return method, sampling, None
     lookahead = dataclasses.replace(preset.lookahead or LookaheadConfig(), **overrides)
-    resolve_method(method, sampling, lookahead)  # the method's own checks (e.g. sampling support)
+    from pallas_kernels.attention import KernelUnavailable  # noqa: PLC0415
+    try:  # the method's own checks (e.g. sampling support, the attention kernel's platform)
+        resolve_method(method, sampling, lookahead, opts.attention or "dense")
+    except KernelUnavailable as e:
+        raise ConfigError(f"--attention={opts.attention}: {e}") from None
     return method, sampling, lookahead
 
 
@@ -220,6 +230,8 @@ def _run(opts: Options, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
     method, sampling, lookahead = resolve_settings(opts, preset)
     resolve_dtype(opts.dtype, preset)
     chat = preset.chat if opts.chat is None else opts.chat
+    if opts.json_out:  # fail before the (slow) generation, not after it
+        _make_parent(opts.json_out)
 
     texts: list[str] | None = None
     ids: list[int] | None = None
@@ -233,7 +245,8 @@ def _run(opts: Options, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
         ids = parse_prompt_ids(opts.prompt_ids)
 
     model, tokenizer, source = load_model_and_tokenizer(preset, opts.ckpt, opts.dtype)
-    engine = Engine(model, tokenizer, lookahead=lookahead, chat=chat, cache_len=opts.cache_len)
+    engine = Engine(model, tokenizer, lookahead=lookahead, chat=chat, cache_len=opts.cache_len,
+                    attention=opts.attention or "dense")
     if tokenizer is None and ids is None:
         raise ConfigError(
             f"preset {preset.name} with {source} has no tokenizer: give token ids with "
@@ -286,7 +299,7 @@ def _run(opts: Options, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
             "dtype": opts.dtype or preset.dtype, "chat": chat, "seed": opts.seed,
             "max_new_tokens": opts.max_new_tokens, "sampling": dataclasses.asdict(sampling),
             "lookahead": dataclasses.asdict(lookahead) if lookahead else None,
-            "results": records})
+            "attention": opts.attention or "dense", "results": records})
     return status
 
 
@@ -311,10 +324,17 @@ def _interactive(decode_one, name: str, stdin: TextIO, stderr: TextIO) -> int:
             status = EXIT_ERROR
 
 
-def _write_json(path: str, obj) -> None:
+def _make_parent(path: str) -> None:
     try:
-        parent = os.path.dirname(os.path.abspath(path))
-        os.makedirs(parent, exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--json_out {path}: cannot create its directory: {e.strerror or e}"
+                          ) from None
+
+
+def _write_json(path: str, obj) -> None:
+    _make_parent(path)
+    try:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=1)
             f.write("\n")

@@ -130,8 +130,9 @@ _run_jit = jax.jit(_run_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
 
 def resolve_method(method: str | Method | None, sampling: Sampling,
-                   lookahead: LookaheadConfig | None) -> Method:
-    """'ar' | 'lookahead' | a Method instance -> a Method."""
+                   lookahead: LookaheadConfig | None, attention: Any = "dense") -> Method:
+    """'ar' | 'lookahead' | a Method instance -> a Method. `attention` ('dense' | 'pallas' |
+    'auto' or an attention function) is the lookahead steps' attention."""
     if method is None:
         method = "lookahead" if lookahead is not None else "ar"
     if not isinstance(method, str):
@@ -140,7 +141,7 @@ def resolve_method(method: str | Method | None, sampling: Sampling,
         return Plain(sampling)
     if method == "lookahead":
         from lookahead_jax.step import Lookahead  # noqa: PLC0415 (keeps plain decoding light)
-        return Lookahead(lookahead or LookaheadConfig(), sampling)
+        return Lookahead(lookahead or LookaheadConfig(), sampling, attention=attention)
     raise ConfigError(f"unknown method {method!r}: expected 'ar' or 'lookahead'")
 
 
@@ -149,7 +150,7 @@ class Engine:
 
     def __init__(self, model: nnx.Module, tokenizer=None, *, eos_ids: Sequence[int] | None = None,
                  lookahead: LookaheadConfig | None = None, chat: bool = True,
-                 cache_len: int | None = None):
+                 cache_len: int | None = None, attention: Any = "dense"):
         self.config: LlamaConfig = model.config
         self.dtype = model.dtype
         self.graphdef, self.params = nnx.split(model)
@@ -159,6 +160,7 @@ class Engine:
         self.lookahead = lookahead
         self.chat = chat
         self.cache_len = cache_len
+        self.attention = attention  # lookahead steps: 'dense' | 'pallas' | 'auto' | a function
         self._compiled: dict = {}
 
     @classmethod
@@ -194,7 +196,7 @@ class Engine:
             raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampling = sampling or Sampling()
         la = lookahead or self.lookahead
-        method = resolve_method(method, sampling, la)
+        method = resolve_method(method, sampling, la, self.attention)
         vocab = self.config.vocab_size
         for p in prompts:
             bad = [t for t in p if not 0 <= int(t) < vocab]

@@ -41,7 +41,10 @@ class Sampling:
         x = logits.astype(jnp.float32)
         if self.greedy:
             return jnp.where(x == x.max(-1, keepdims=True), 0.0, -jnp.inf)
-        x = x / self.temperature
+        # subtract the max first, and never divide by less than the smallest normal float32:
+        # a tiny temperature then approaches greedy instead of overflowing to inf / NaN
+        tiny = float(jnp.finfo(jnp.float32).tiny)
+        x = (x - x.max(-1, keepdims=True)) / max(self.temperature, tiny)
         if self.top_k > 0 and self.top_k < x.shape[-1]:
             kth = jax.lax.top_k(x, self.top_k)[0][..., -1:]
             x = jnp.where(x >= kth, x, -jnp.inf)

@@ -13,7 +13,7 @@ The whole generation after prefill is one `lax.while_loop` (`lookahead_run`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,8 @@ from lookahead_jax.sampling import Sampling
 from lookahead_jax.verify import Verdict, verify_greedy, verify_sampling
 from lookahead_jax.window import Window
 from models.kv_cache import KVCache
+from pallas_kernels.attention import resolve_attention
+from pallas_kernels.step_mask import StepMask, dense_attention
 
 # (key, sampling, logits at the current token [B,V], at the candidates [B,G,N-1,V],
 #  candidates [B,G,N-1], validity [B,G]) -> Verdict
@@ -86,8 +88,12 @@ def lookahead_init(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
 
 def lookahead_step(model: nnx.Module, state: LookaheadState, *, cfg: LookaheadConfig,
                    sampling: Sampling, eos_ids: tuple[int, ...],
-                   verifier: Verifier = verify_sampling) -> LookaheadState:
+                   verifier: Verifier = verify_sampling,
+                   attention_fn=dense_attention) -> LookaheadState:
     """One forward pass over [current | window | candidates]; emits 1..N tokens per row.
+
+    The model's attention gets a `StepMask` (cache lengths + layout) that `attention_fn`
+    (the dense reference or the Pallas kernel, see `pallas_kernels`) understands.
 
     `verifier` decides the tokens when sampling (temperature > 0); greedy uses verify_greedy.
     """
@@ -107,13 +113,11 @@ def lookahead_step(model: nnx.Module, state: LookaheadState, *, cfg: LookaheadCo
         cands = jnp.zeros((b, 0, cfg.N - 1), jnp.int32)
         cand_valid = jnp.zeros((b, 0), bool)
     positions = cache.length[:, None] + jnp.asarray(layout.offsets)[None, :]
-    t = layout.size
-    mask = jnp.concatenate([jnp.broadcast_to(cache.visible()[:, None, :], (b, t, cache.max_len)),
-                            jnp.broadcast_to(jnp.asarray(layout.mask)[None], (b, t, t))], axis=-1)
+    mask = StepMask(cache.length, layout, cache.max_len)  # [cache.visible() | layout.mask]
     # logits only where they are read: the current token, the newest window level, candidates
     readout = jnp.concatenate([jnp.zeros((1,), jnp.int32), state.window.newest_index(win_idx),
                                cand_idx.reshape(-1)])
-    logits, new_kv = model(step_tokens, positions, mask, cache,
+    logits, new_kv = model(step_tokens, positions, mask, cache, attention_fn=attention_fn,
                            logits_at=jnp.broadcast_to(readout[None], (b, readout.shape[0])))
     preds = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1 + W + G(N-1)]
     next0, new_level = preds[:, 0], preds[:, 1: 1 + cfg.W]
@@ -161,22 +165,32 @@ def lookahead_step(model: nnx.Module, state: LookaheadState, *, cfg: LookaheadCo
 
 def lookahead_run(graphdef: nnx.GraphDef, params: nnx.State, state: LookaheadState,
                   max_steps: jax.Array, *, cfg: LookaheadConfig, sampling: Sampling,
-                  eos_ids: tuple[int, ...], verifier: Verifier = verify_sampling) -> LookaheadState:
+                  eos_ids: tuple[int, ...], verifier: Verifier = verify_sampling,
+                  attention_fn=dense_attention) -> LookaheadState:
     """Up to `max_steps` lookahead steps (or until every row is done) in one while_loop."""
     model = nnx.merge(graphdef, params)
     return run_steps(lambda s: lookahead_step(model, s, cfg=cfg, sampling=sampling,
-                                              eos_ids=eos_ids, verifier=verifier),
+                                              eos_ids=eos_ids, verifier=verifier,
+                                              attention_fn=attention_fn),
                      state, max_steps)
 
 
 @dataclasses.dataclass(frozen=True)
 class Lookahead:
-    """Lookahead decoding (`--method=lookahead`) with settings `config`."""
+    """Lookahead decoding (`--method=lookahead`) with settings `config`.
+
+    attention: the steps' attention, 'dense' | 'pallas' | 'auto' (`--attention`; see
+    `pallas_kernels.attention`), or an attention function (e.g. the kernel in interpret mode).
+    """
 
     config: LookaheadConfig = LookaheadConfig()
     sampling: Sampling = Sampling()
     verifier: Verifier = verify_sampling  # the acceptance rule used when sampling
+    attention: Any = "dense"
     name = "lookahead"
+
+    def __post_init__(self):
+        resolve_attention(self.attention)  # an unknown name or unavailable kernel fails here
 
     @property
     def step_tokens(self) -> int:
@@ -190,7 +204,8 @@ class Lookahead:
 
     def run(self, graphdef, params, state, max_steps, *, eos_ids):
         return lookahead_run(graphdef, params, state, max_steps, cfg=self.config,
-                             sampling=self.sampling, eos_ids=eos_ids, verifier=self.verifier)
+                             sampling=self.sampling, eos_ids=eos_ids, verifier=self.verifier,
+                             attention_fn=resolve_attention(self.attention))
 
     def summary(self, state: LookaheadState) -> dict:
         hist = np.asarray(state.stats.accepted_hist)

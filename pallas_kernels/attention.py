@@ -1,0 +1,64 @@
+"""Choosing the attention a lookahead step runs: `--attention=dense|pallas|auto`.
+
+  dense   the dense reference (`dense_attention`): any platform.
+  pallas  the block-sparse Pallas kernel (`lookahead_attention.py`): Triton on GPU, Mosaic on
+          TPU. Elsewhere it raises `KernelUnavailable`, unless `interpret=True` (the kernel
+          run by the Pallas interpreter: slow, any platform, what the tests use).
+  auto    the kernel where the platform has one (GPU, TPU), dense otherwise.
+
+An attention function has the model's signature `fn(q, k, v, mask)`. Only the lookahead step
+passes a `StepMask`; the kernel falls back to the dense path for any other mask (prefill,
+plain decoding), so one function serves every model call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from models.config import ConfigError
+from pallas_kernels.step_mask import dense_attention
+
+ATTENTION_NAMES = ("dense", "pallas", "auto")
+# jax platform -> the kernel's Pallas backend
+KERNEL_BACKENDS = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}
+
+
+class KernelUnavailable(RuntimeError):
+    """The Pallas kernel cannot run (compiled) on this platform."""
+
+
+def select_attention(name: str, platform: str | None = None, *, interpret: bool = False,
+                     block_q: int | None = None, block_k: int | None = None):
+    """'dense' | 'pallas' | 'auto' -> an attention function fn(q, k, v, mask).
+
+    platform: a jax platform name ('cpu', 'gpu', 'cuda', 'rocm', 'tpu'); default: jax's
+    default backend. interpret: run the kernel in the Pallas interpreter (any platform).
+    """
+    if name not in ATTENTION_NAMES:
+        raise ConfigError(f"attention must be one of {ATTENTION_NAMES}, got {name!r}")
+    platform = platform or jax.default_backend()
+    backend = KERNEL_BACKENDS.get(platform)
+    if name == "dense" or (name == "auto" and backend is None):
+        return dense_attention
+    if backend is None:
+        if not interpret:
+            raise KernelUnavailable(
+                f"the Pallas lookahead attention kernel runs on GPU (Triton) or TPU (Mosaic), "
+                f"not on platform {platform!r}: use attention 'dense' or 'auto' (or interpret "
+                f"mode, for testing)")
+        backend = "triton"
+    from pallas_kernels.lookahead_attention import PallasAttention  # noqa: PLC0415
+    return PallasAttention(backend, interpret=interpret, block_q=block_q, block_k=block_k)
+
+
+def resolve_attention(attention: Any):
+    """A name (see `select_attention`, for the default platform) or an attention function ->
+    an attention function."""
+    if isinstance(attention, str):
+        return select_attention(attention)
+    if not callable(attention):
+        raise ConfigError(f"attention must be a name {ATTENTION_NAMES} or a function, "
+                          f"got {attention!r}")
+    return attention

@@ -1,0 +1,341 @@
+"""Block-sparse attention for one lookahead step, in Pallas: Triton on GPU, Mosaic on TPU.
+
+Queries: the step's T tokens. Keys/values: the cache (row b valid up to cache_len[b]) followed
+by the step's T tokens. Visibility: a `StepMask` (cache lengths + the step's `StepLayout`),
+tiled by a `BlockMap`. Flash-attention style: an online softmax across key tiles, accumulated
+in float32 whatever the input dtype (float32 or bfloat16); a query row with no visible key
+returns zeros, as the dense reference does.
+
+Layout inside the kernel (built by `lookahead_attention`, undone on the way out):
+  q     [B, Hkv, R, D]     R = T * group rows per K/V head (row r = token r // group), padded
+                           to a multiple of block_q: one query tile serves every head of a group
+  k, v  [B, S' + T', Hkv, D] (GPU) or [B, Hkv, S' + T', D] (TPU): the cache padded to S' and
+                           the step padded to T', both multiples of block_k
+  mask  [R', T'] int32     the layout's mask, one row per query row (`BlockMap.row_mask`)
+
+Which tiles are computed:
+  GPU  grid (B, Hkv, query blocks). Each program loops over its row's cache blocks
+       [0, cdiv(cache_len[b], block_k)) (a dynamic trip count) and then over the step blocks
+       listed for its query block (`BlockMap.step_index`): skipped tiles cost nothing.
+  TPU  grid (B, Hkv, query blocks, key blocks), cache lengths and the tile tables in SMEM
+       (scalar prefetch). A skipped tile runs no compute (`pl.when`) and its K/V index map
+       repeats the previous block, so the pipeline issues no copy for it either.
+
+Both run under the Pallas interpreter (`interpret=True`), on any platform; compiled, each needs
+its platform and raises `KernelUnavailable` elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from models.llama import dot_product_attention
+from pallas_kernels.attention import KernelUnavailable
+from pallas_kernels.block_map import BlockMap, cdiv
+from pallas_kernels.step_mask import StepMask
+
+BACKENDS = ("triton", "mosaic_tpu")
+PLATFORM_OF = {"triton": ("gpu",), "mosaic_tpu": ("tpu",)}
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf
+LANES = 128  # TPU lane width: m and l are kept replicated across one lane tile
+
+
+def current_platform() -> str:
+    """The platform a compiled kernel would run on (a seam for lowering tests)."""
+    return jax.default_backend()
+
+
+def default_blocks(backend: str, rows: int) -> tuple[int, int]:
+    """(block_q, block_k) for `rows` = T * group query rows."""
+    if backend == "mosaic_tpu":  # sublane-aligned query tiles, lane-wide key tiles
+        return min(128, cdiv(rows, 16) * 16), 128
+    # Triton: power-of-two tiles of at least 16 (tl.dot); small query tiles give more programs
+    return min(32, max(16, pl.next_power_of_2(rows))), 32
+
+
+def _check_blocks(backend: str, block_q: int, block_k: int, head_dim: int) -> None:
+    if backend == "triton":
+        for name, n in (("block_q", block_q), ("block_k", block_k)):
+            if n < 16 or n & (n - 1):
+                raise ValueError(f"Triton: {name} must be a power of two >= 16, got {n}")
+    elif backend == "mosaic_tpu":
+        if block_q % 8 or block_k % LANES:
+            raise ValueError(f"TPU: block_q must be a multiple of 8 and block_k of {LANES}, "
+                             f"got {block_q}, {block_k}")
+    else:
+        raise ValueError(f"unknown kernel backend {backend!r}: expected one of {BACKENDS}")
+
+
+def _online_update(carry, q, k, v, visible, *, scale: float, precision):
+    """One key tile of the online softmax. carry: m [bq], l [bq], acc [bq, D] float32;
+    q [bq, D], k/v [bk, D], visible [bq, bk] (or broadcastable) bool."""
+    m, l, acc = carry
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32) * scale
+    s = jnp.where(visible, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    corr = jnp.exp(m - m_new)
+    p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+    l_new = l * corr + jnp.sum(p, axis=1)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
+    return m_new, l_new, acc * corr[:, None] + pv
+
+
+# -- GPU: Triton ---------------------------------------------------------------------------------
+def _triton_kernel(len_ref, count_ref, index_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, *,
+                   cache_padded: int, block_k: int, scale: float, precision):
+    bq, d = q_ref.shape
+    q = q_ref[...]
+    cache_len = len_ref[0]
+    update = functools.partial(_online_update, scale=scale, precision=precision)
+    carry = (jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32),
+             jnp.zeros((bq, d), jnp.float32))
+
+    def cache_tile(c, carry):
+        start = pl.multiple_of(c * block_k, block_k)
+        visible = (start + jnp.arange(block_k))[None, :] < cache_len
+        return update(carry, q, k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :],
+                      visible)
+
+    carry = lax.fori_loop(0, lax.div(cache_len + (block_k - 1), block_k), cache_tile, carry)
+
+    def step_tile(j, carry):
+        s = index_ref[j]
+        col = pl.multiple_of(s * block_k, block_k)
+        start = pl.multiple_of(cache_padded + col, block_k)
+        visible = mask_ref[:, pl.ds(col, block_k)] != 0
+        return update(carry, q, k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :],
+                      visible)
+
+    m, l, acc = lax.fori_loop(0, count_ref[0], step_tile, carry)
+    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+def _triton_call(q, k, v, cache_len, bmap: BlockMap, cache_padded: int, *, scale, precision,
+                 interpret: bool):
+    """q [B, Hkv, R', D], k/v [B, S'+T', Hkv, D], cache_len [B] -> [B, Hkv, R', D]."""
+    from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415
+
+    b, hkv, _, d = q.shape
+    keys = k.shape[1]
+    bq, bk = bmap.block_q, bmap.block_k
+    index, count = bmap.step_index
+    kernel = functools.partial(_triton_kernel, cache_padded=cache_padded, block_k=bk,
+                               scale=scale, precision=precision)
+    kv_spec = pl.BlockSpec((None, keys, None, d), lambda b_, h, i: (b_, 0, h, 0))
+    tile_spec = pl.BlockSpec((None, None, bq, d), lambda b_, h, i: (b_, h, i, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(b, hkv, bmap.q_blocks),
+        in_specs=[
+            pl.BlockSpec((1,), lambda b_, h, i: (b_,)),  # cache_len
+            pl.BlockSpec((1,), lambda b_, h, i: (i,)),  # step tiles to compute
+            pl.BlockSpec((None, index.shape[1]), lambda b_, h, i: (i, 0)),  # which
+            tile_spec, kv_spec, kv_spec,
+            pl.BlockSpec((bq, bmap.step_padded), lambda b_, h, i: (i, 0)),  # row mask
+        ],
+        out_specs=tile_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2),
+        interpret=interpret,
+        name="lookahead_attention_triton",
+    )(cache_len, jnp.asarray(count), jnp.asarray(index), q, k, v,
+      jnp.asarray(bmap.row_mask, jnp.int32))
+
+
+# -- TPU: Mosaic -----------------------------------------------------------------------------------
+def _tpu_kernel(len_ref, vis_ref, fetch_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref,
+                acc_ref, *, cache_blocks: int, step_blocks: int, block_k: int, scale: float,
+                precision):
+    del fetch_ref  # used by the index maps only
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    bq, d = acc_ref.shape
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    cache_len = len_ref[b]
+    in_cache = j < cache_blocks
+    s = jnp.maximum(j - cache_blocks, 0)
+    tile_visible = jnp.where(in_cache, j * block_k < cache_len,
+                             vis_ref[i * step_blocks + s] != 0)
+
+    @pl.when(tile_visible)
+    def _compute():
+        cols = j * block_k + lax.broadcasted_iota(jnp.int32, (bq, block_k), 1)
+        visible = jnp.where(in_cache, cols < cache_len, mask_ref[...] != 0)
+        m_prev, l_prev = m_ref[...], l_ref[...]  # [bq, LANES], replicated across lanes
+        sc = lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
+                             precision=precision, preferred_element_type=jnp.float32) * scale
+        sc = jnp.where(visible, sc, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, jnp.max(sc, axis=1, keepdims=True))
+        p = jnp.where(visible, jnp.exp(sc - jnp.tile(m_next, (1, block_k // LANES))), 0.0)
+        alpha = jnp.exp(m_prev - m_next)
+        m_ref[...] = m_next
+        l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        v = v_ref[...]
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             precision=precision, preferred_element_type=jnp.float32)
+        acc_ref[...] = _lanes_to(alpha, d) * acc_ref[...] + pv
+
+    @pl.when(j == cache_blocks + step_blocks - 1)
+    def _finish():
+        l = l_ref[...]
+        inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+        o_ref[...] = (acc_ref[...] * _lanes_to(inv, d)).astype(o_ref.dtype)
+
+
+def _lanes_to(x, d: int):
+    """[bq, LANES] lane-replicated -> [bq, d]."""
+    return jnp.tile(x, (1, cdiv(d, LANES)))[:, :d]
+
+
+def _tpu_call(q, k, v, cache_len, bmap: BlockMap, cache_padded: int, *, scale, precision,
+              interpret: bool):
+    """q [B, Hkv, R', D], k/v [B, Hkv, S'+T', D], cache_len [B] -> [B, Hkv, R', D]."""
+    from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
+
+    b, hkv, _, d = q.shape
+    bq, bk = bmap.block_q, bmap.block_k
+    nc, nt = cache_padded // bk, bmap.step_blocks
+    kernel = functools.partial(_tpu_kernel, cache_blocks=nc, step_blocks=nt, block_k=bk,
+                               scale=scale, precision=precision)
+
+    def fetched(b_, i, j, len_ref, fetch_ref):
+        """(key block to hold for tile j, step block of the row mask)."""
+        last_cache = jnp.maximum(lax.div(len_ref[b_] + (bk - 1), bk) - 1, 0)
+        f = fetch_ref[i * nt + jnp.maximum(j - nc, 0)]
+        step = jnp.where(f >= 0, nc + f, last_cache)
+        return jnp.where(j < nc, jnp.minimum(j, last_cache), step), jnp.maximum(f, 0)
+
+    def kv_map(b_, h, i, j, len_ref, vis_ref, fetch_ref):
+        return b_, h, fetched(b_, i, j, len_ref, fetch_ref)[0], 0
+
+    def mask_map(b_, h, i, j, len_ref, vis_ref, fetch_ref):
+        return i, fetched(b_, i, j, len_ref, fetch_ref)[1]
+
+    tile_spec = pl.BlockSpec((None, None, bq, d), lambda b_, h, i, j, *_: (b_, h, i, 0))
+    kv_spec = pl.BlockSpec((None, None, bk, d), kv_map)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(b, hkv, bmap.q_blocks, nc + nt),
+        in_specs=[tile_spec, kv_spec, kv_spec, pl.BlockSpec((bq, bk), mask_map)],
+        out_specs=tile_spec,
+        scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),
+                        pltpu.VMEM((bq, LANES), jnp.float32),
+                        pltpu.VMEM((bq, d), jnp.float32)])
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="lookahead_attention_tpu",
+    )(cache_len, jnp.asarray(bmap.tiles.reshape(-1), jnp.int32),
+      jnp.asarray(bmap.step_fetch.reshape(-1)), q, k, v, jnp.asarray(bmap.row_mask, jnp.int32))
+
+
+# -- the entry point -----------------------------------------------------------------------------
+def _lay_out_keys(x, cache_size: int, cache_padded: int, step_padded: int):
+    """[B, S+T, Hkv, D] -> [B, S'+T', Hkv, D]: the cache and the step each zero-padded to a
+    whole number of key blocks (no copy when both already are)."""
+    t = x.shape[1] - cache_size
+    if cache_padded == cache_size and step_padded == t:
+        return x
+    pad = lambda a, n: jnp.pad(a, ((0, 0), (0, n), (0, 0), (0, 0)))  # noqa: E731
+    return jnp.concatenate([pad(x[:, :cache_size], cache_padded - cache_size),
+                            pad(x[:, cache_size:], step_padded - t)], axis=1)
+
+
+def lookahead_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: StepMask, *,
+                        backend: str = "triton", interpret=False,
+                        block_q: int | None = None, block_k: int | None = None) -> jax.Array:
+    """Attention of one lookahead step, computing only tiles with a visible key.
+
+    q [B,T,H,D]; k/v [B,S+T,Hkv,D] (the cache's S slots, then the step's T tokens); mask a
+    `StepMask` (cache lengths [B], the step's layout, S). Returns [B,T,H,D] in q's dtype.
+    backend: 'triton' (GPU) or 'mosaic_tpu' (TPU). interpret: run in the Pallas interpreter
+    (True; or, for the TPU kernel, `pltpu.InterpretParams(...)`: the TPU interpreter).
+    block_q counts query rows (token x head of a K/V group), block_k keys.
+    """
+    if not isinstance(mask, StepMask):
+        raise TypeError(f"lookahead_attention needs a StepMask, got {type(mask).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}: expected one of {BACKENDS}")
+    if not interpret and current_platform() not in PLATFORM_OF[backend]:
+        raise KernelUnavailable(
+            f"the {backend} lookahead attention kernel needs platform "
+            f"{'/'.join(PLATFORM_OF[backend])}, this is {current_platform()!r}: use the dense "
+            f"attention, or interpret=True")
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    s_size = mask.cache_size
+    if h % hkv or k.shape != (b, s_size + t, hkv, d) or v.shape != k.shape:
+        raise ValueError(f"shapes q {q.shape}, k {k.shape}, v {v.shape} do not fit a step of "
+                         f"{t} tokens after a cache of {s_size} slots")
+    if mask.layout.size != t:
+        raise ValueError(f"the mask's layout has {mask.layout.size} tokens, q has {t}")
+    group = h // hkv
+    dq, dk = default_blocks(backend, t * group)
+    bq, bk = block_q or dq, block_k or dk
+    if not interpret:
+        _check_blocks(backend, bq, bk, d)
+    bmap = BlockMap.of(mask.layout, group, bq, bk)
+    cache_padded = bmap.cache_padded(s_size)
+    scale = 1.0 / math.sqrt(d)
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
+
+    # rows: token-major, the group's heads adjacent: [B, Hkv, T*group, D], padded
+    rows = q.reshape(b, t, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * group, d)
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, bmap.rows_padded - t * group), (0, 0)))
+    dp = d
+    if backend == "triton" and d & (d - 1):  # Triton tiles are powers of two: zero-pad D
+        dp = pl.next_power_of_2(d)
+        rows = jnp.pad(rows, ((0, 0),) * 3 + ((0, dp - d),))
+    keys, values = (_lay_out_keys(x, s_size, cache_padded, bmap.step_padded) for x in (k, v))
+    if dp != d:
+        keys, values = (jnp.pad(x, ((0, 0),) * 3 + ((0, dp - d),)) for x in (keys, values))
+    cache_len = mask.cache_len.astype(jnp.int32)
+    kw = dict(scale=scale, precision=precision, interpret=interpret)
+    if backend == "triton":
+        out = _triton_call(rows, keys, values, cache_len, bmap, cache_padded, **kw)
+    else:
+        out = _tpu_call(rows, keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3),
+                        cache_len, bmap, cache_padded, **kw)
+    out = out[:, :, : t * group, :d].reshape(b, hkv, t, group, d)
+    return out.transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasAttention:
+    """An attention function fn(q, k, v, mask) for the model: the kernel for a lookahead step's
+    `StepMask`, the dense reference for any other mask (prefill, plain decoding). Hashable, so
+    a decoding method holding it stays a valid static argument of `jax.jit`."""
+
+    backend: str = "triton"
+    interpret: bool = False
+    block_q: int | None = None
+    block_k: int | None = None
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown kernel backend {self.backend!r}: expected one of {BACKENDS}")
+
+    def __call__(self, q, k, v, mask):
+        if isinstance(mask, StepMask):
+            return lookahead_attention(q, k, v, mask, backend=self.backend,
+                                       interpret=self.interpret, block_q=self.block_q,
+                                       block_k=self.block_k)
+        return dot_product_attention(q, k, v, mask)
