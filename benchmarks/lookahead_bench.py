@@ -47,6 +47,8 @@ flags.DEFINE_float("temperature", 0.0, "0: greedy (outputs must equal plain); > 
                    "compared with plain sampling (outputs differ by design)")
 flags.DEFINE_integer("top_k", 0, "top-k when sampling (0 = off)")
 flags.DEFINE_float("top_p", 1.0, "top-p when sampling (1 = off)")
+flags.DEFINE_bool("remeasure_step_cost", False, "with --resume: measure the step-cost curve "
+                  "again instead of keeping the stored one")
 flags.DEFINE_bool("resume", False, "keep the runs already in --out (same settings) and "
                   "measure only the prompts it lacks")
 
@@ -93,10 +95,12 @@ def summarize(runs: list[dict]) -> list[dict]:
         tokens = sum(r["tokens"] for r in rs)
         steps = sum(r["steps"] for r in rs)
         secs = sum(r["prefill_s"] + r["decode_s"] for r in rs)
+        decode_steps = sum(r["steps"] - 1 for r in rs)
         hist = [sum(x) for x in zip(*[r["accepted_hist"] for r in rs])] if rs[0].get(
             "accepted_hist") else None
         rows.append({"dataset": ds, "method": method, "prompts": len(rs), "tokens": tokens,
                      "steps": steps, "S": tokens / steps, "tokens_per_s": tokens / secs,
+                     "step_ms": 1e3 * sum(r["decode_s"] for r in rs) / max(decode_steps, 1),
                      "exact": (sum(r["exact"] for r in rs) if rs[0]["exact"] is not None
                                else None), "accepted_hist": hist,
                      "W": rs[0].get("W"), "N": rs[0].get("N"), "G": rs[0].get("G"),
@@ -104,6 +108,7 @@ def summarize(runs: list[dict]) -> list[dict]:
     for row in rows:
         plain = next(r for r in rows if r["dataset"] == row["dataset"] and r["method"] == "plain")
         row["speedup"] = row["tokens_per_s"] / plain["tokens_per_s"]
+        row["step_cost"] = row["step_ms"] / plain["step_ms"]  # in plain decoding steps
     return rows
 
 
@@ -148,7 +153,7 @@ def main(argv):
         report["step_cost_s"] = {int(k): v for k, v in old.get("step_cost_s", {}).items()}
     measured = {(r["dataset"], r["prompt"]) for r in report["runs"]}
 
-    if FLAGS.step_cost_tokens and not report.get("step_cost_s"):
+    if FLAGS.step_cost_tokens and (FLAGS.remeasure_step_cost or not report.get("step_cost_s")):
         ts = [int(t) for t in FLAGS.step_cost_tokens]
         costs = measure_step_cost(engine.graphdef, engine.params, ts, cache_len=256)
         report["step_cost_s"] = costs
@@ -157,33 +162,34 @@ def main(argv):
             [[t, 1e3 * c, c / costs[ts[0]]] for t, c in costs.items()]))
 
     t_start = time.time()
-    for ds, prompts in data.items():
-        for i, ids in enumerate(prompts):
-            if (ds, i) in measured:
-                continue
-            common_kw = dict(max_new_tokens=FLAGS.max_new_tokens, sampling=sampling, seed=i)
-            plain = engine.generate_ids([ids], method="ar", **common_kw)
-            runs = [(None, plain)]
-            for cfg in settings:
-                runs.append((cfg, engine.generate_ids([ids], method="lookahead", lookahead=cfg,
-                                                      **common_kw)))
-            for cfg, res in runs:
-                st = res.stats
-                report["compile_s"] += st.compile_s
-                report["runs"].append({
-                    "dataset": ds, "prompt": i, "method": label(cfg), "tokens": st.total_tokens,
-                    "steps": st.steps, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
-                    "exact": res.tokens == plain.tokens if sampling.greedy else None,
-                    "accepted_hist": st.extra.get("accepted_hist"),
-                    "W": cfg and cfg.W, "N": cfg and cfg.N, "G": cfg and cfg.G,
-                    "step_tokens": cfg.step_tokens if cfg else 1})
-            done = [r for r in report["runs"] if r["dataset"] == ds and r["method"] != "plain"]
-            exact = (f"exact {sum(r['exact'] for r in done)}/{len(done)}" if sampling.greedy
-                     else "sampling")
-            print(f"{ds} {i + 1}/{len(prompts)}: {exact}  ({time.time() - t_start:.0f}s)",
-                  flush=True)
-            report["summary"] = summarize(report["runs"])
-            common.write_json(FLAGS.out, report)
+    order = [(i, ds) for i in range(FLAGS.num_prompts) for ds in data if i < len(data[ds])]
+    for i, ds in order:  # interleaved, so a stopped run keeps every data set balanced
+        ids = data[ds][i]
+        if (ds, i) in measured:
+            continue
+        common_kw = dict(max_new_tokens=FLAGS.max_new_tokens, sampling=sampling, seed=i)
+        plain = engine.generate_ids([ids], method="ar", **common_kw)
+        runs = [(None, plain)]
+        for cfg in settings:
+            runs.append((cfg, engine.generate_ids([ids], method="lookahead", lookahead=cfg,
+                                                  **common_kw)))
+        for cfg, res in runs:
+            st = res.stats
+            report["compile_s"] += st.compile_s
+            report["runs"].append({
+                "dataset": ds, "prompt": i, "method": label(cfg), "tokens": st.total_tokens,
+                "steps": st.steps, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
+                "exact": res.tokens == plain.tokens if sampling.greedy else None,
+                "accepted_hist": st.extra.get("accepted_hist"),
+                "W": cfg and cfg.W, "N": cfg and cfg.N, "G": cfg and cfg.G,
+                "step_tokens": cfg.step_tokens if cfg else 1})
+        done = [r for r in report["runs"] if r["dataset"] == ds and r["method"] != "plain"]
+        exact = (f"exact {sum(r['exact'] for r in done)}/{len(done)}" if sampling.greedy
+                 else "sampling")
+        print(f"{ds} {i + 1}/{len(data[ds])}: {exact}  ({time.time() - t_start:.0f}s)",
+              flush=True)
+        report["summary"] = summarize(report["runs"])
+        common.write_json(FLAGS.out, report)
 
     rows = report["summary"] = summarize(report["runs"])
     common.write_json(FLAGS.out, report)
@@ -195,12 +201,12 @@ def main(argv):
         pred = (r["S"] / relative_cost(costs, r["step_tokens"])) if costs else float("nan")
         exact = "n/a" if r["exact"] is None else f"{r['exact']}/{r['prompts']}"
         table.append([r["dataset"], r["method"], exact, r["S"],
-                      f"{ref[0]:.2f}" if ref else "", r["tokens_per_s"],
-                      f"{ref[1]:.1f}" if ref else "", r["speedup"], pred])
+                      f"{ref[0]:.2f}" if ref else "", r["step_ms"], r["step_cost"],
+                      r["tokens_per_s"], f"{ref[1]:.1f}" if ref else "", r["speedup"], pred])
     print()
     print(common.markdown_table(
-        ["data set", "method", "exact", "S", "ref S", "tokens/s", "ref tokens/s",
-         "speed-up", "predicted from step cost"], table))
+        ["data set", "method", "exact", "S", "ref S", "ms/step", "step cost (plain steps)",
+         "tokens/s", "ref tokens/s", "speed-up", "S / curve cost"], table))
     print(f"\ncompile time (excluded above): {report['compile_s']:.0f}s; "
           f"JSON: {FLAGS.out}")
     if FLAGS.plot:

@@ -355,11 +355,23 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     return rest
 
 
+def enable_compile_cache() -> None:
+    """Keeps compiled programs on disk (`<model cache>/xla`), so a second run of the same
+    preset and settings skips XLA compilation. LOOKAHEAD_JAX_NO_COMPILE_CACHE=1 turns it off."""
+    if os.environ.get("LOOKAHEAD_JAX_NO_COMPILE_CACHE"):
+        return
+    import jax  # noqa: PLC0415
+    from lookahead_jax.model_store import default_cache_dir  # noqa: PLC0415
+    jax.config.update("jax_compilation_cache_dir", os.path.join(default_cache_dir(), "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def main(argv: Sequence[str]) -> int:
     if len(argv) > 1:
         print(f"error: unexpected arguments {' '.join(argv[1:])!r} (flags take --name=value)",
               file=sys.stderr)
         return EXIT_ERROR
+    enable_compile_cache()
     return run(options_from_flags())
 
 

@@ -95,7 +95,10 @@ class LlamaConfig:
                 rope_scaling=rope,
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+                # Mistral's sliding-window attention equals full attention while the sequence
+                # fits in the window; we implement full attention, so cap positions there.
+                max_position_embeddings=min(int(hf.get("max_position_embeddings", 4096)),
+                                            int(hf.get("sliding_window") or 1 << 30)),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
             )
