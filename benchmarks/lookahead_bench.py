@@ -198,7 +198,7 @@ def main(argv):
     for r in rows:
         ref = (REFERENCE.get(r["dataset"]) if r["method"] == "(15,5,15)" and sampling.greedy
                else None)
-        pred = (r["S"] / relative_cost(costs, r["step_tokens"])) if costs else float("nan")
+        pred = (r["S"] / relative_cost(costs, r["step_tokens"])) if costs else ""
         exact = "n/a" if r["exact"] is None else f"{r['exact']}/{r['prompts']}"
         table.append([r["dataset"], r["method"], exact, r["S"],
                       f"{ref[0]:.2f}" if ref else "", r["step_ms"], r["step_cost"],

@@ -16,10 +16,10 @@ def get_config() -> Preset:
             num_heads=9, num_kv_heads=3, rope_theta=100000.0, rms_norm_eps=1e-5,
             tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=1,
             eos_token_ids=(2,)),
-        # W=5, N=3, G=5: of the settings benchmarks/lookahead_bench.py measured on a 2-core
-        # CPU, the fastest (S 1.3-1.8; a CPU step's cost grows with its tokens, see the
-        # step-cost curve there). On a GPU, wider settings such as (15,5,15) pay off.
-        lookahead=LookaheadConfig(W=5, N=3, G=5),
+        # W=5, N=3, G=5 with prompt seeding: of the settings benchmarks/lookahead_bench.py
+        # measured on a 2-core CPU, the fastest (S 1.5-2.1; a CPU step's cost grows with its
+        # tokens, see the step-cost curve there). Accelerators favour wider settings.
+        lookahead=LookaheadConfig(W=5, N=3, G=5, prompt_seeding=True),
         checkpoint="smollm2",  # lookahead_jax.model_store fetches and caches it
         chat=True,
         dtype="float32",
