@@ -136,16 +136,15 @@ def lookahead_step(model: nnx.Module, state: LookaheadState, *, cfg: LookaheadCo
         verdict = verify_greedy(next0, cand_preds, cands, cand_valid)
     else:
         key, sub = jax.random.split(key)
-        verdict = verifier(sub, sampling, logits[:, 0],
-                           logits[:, 1 + cfg.W:].reshape(b, cfg.G, cfg.N - 1, logits.shape[-1]), cands,
-                           cand_valid)
+        cand_logits = logits[:, 1 + cfg.W:].reshape(b, cfg.G, cfg.N - 1, logits.shape[-1])
+        verdict = verifier(sub, sampling, logits[:, 0], cand_logits, cands, cand_valid)
 
     # 4. commit: the current token's K/V, then the accepted candidate tokens' own K/V
     rows = jnp.arange(b)
     src = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
                            cand_idx[verdict.best] if cfg.G else jnp.zeros((b, 0), jnp.int32)],
                           axis=1)
-    cache = cache.append(new_kv, src[:, : cfg.N], jnp.where(live, verdict.count, 0))
+    cache = cache.append(new_kv, src, jnp.where(live, verdict.count, 0))
     out, taken = state.out.emit(verdict.tokens, verdict.count, eos_ids)
     token = verdict.tokens[rows, verdict.accepted]
 
