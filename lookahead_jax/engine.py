@@ -50,7 +50,6 @@ class Plain:
     """Plain autoregressive decoding (`--method=ar`)."""
 
     sampling: Sampling = Sampling()
-    name = "ar"
 
     @property
     def step_tokens(self) -> int:

@@ -186,7 +186,6 @@ class Lookahead:
     sampling: Sampling = Sampling()
     verifier: Verifier = verify_sampling  # the acceptance rule used when sampling
     attention: Any = "dense"
-    name = "lookahead"
 
     def __post_init__(self):
         resolve_attention(self.attention)  # an unknown name or unavailable kernel fails here
