@@ -26,7 +26,6 @@ from lookahead_jax.generation import cache_length_for, pad_prompts
 from lookahead_jax.plain import PlainState, plain_init, plain_run
 from lookahead_jax.sampling import Sampling
 from models.config import ConfigError, LlamaConfig
-from models.kv_cache import KVCache
 
 
 class Method(Protocol):
@@ -129,15 +128,24 @@ _run_jit = jax.jit(_run_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
 
 def resolve_method(method: str | Method | None, sampling: Sampling,
-                   lookahead: LookaheadConfig | None, attention: Any = "dense") -> Method:
+                   lookahead: LookaheadConfig | None, attention: Any = "dense",
+                   devices: int = 1) -> Method:
     """'ar' | 'lookahead' | a Method instance -> a Method. `attention` ('dense' | 'pallas' |
-    'auto' or an attention function) is the lookahead steps' attention."""
+    'auto' or an attention function) is the lookahead steps' attention; `devices` > 1 splits
+    each lookahead step across that many local devices (lookahead parallelism)."""
     if method is None:
         method = "lookahead" if lookahead is not None else "ar"
     if not isinstance(method, str):
         return method
     if method == "ar":
         return Plain(sampling)
+    if devices < 1:
+        raise ConfigError(f"devices must be >= 1, got {devices}")
+    if method == "lookahead" and devices > 1:
+        if attention != "dense":
+            raise ConfigError("lookahead parallelism (devices > 1) uses dense attention only")
+        from lookahead_jax.parallel import ParallelLookahead  # noqa: PLC0415
+        return ParallelLookahead(lookahead or LookaheadConfig(), sampling, devices)
     if method == "lookahead":
         from lookahead_jax.step import Lookahead  # noqa: PLC0415 (keeps plain decoding light)
         return Lookahead(lookahead or LookaheadConfig(), sampling, attention=attention)
@@ -149,9 +157,10 @@ class Engine:
 
     def __init__(self, model: nnx.Module, tokenizer=None, *, eos_ids: Sequence[int] | None = None,
                  lookahead: LookaheadConfig | None = None, chat: bool = True,
-                 cache_len: int | None = None, attention: Any = "dense"):
-        self.config: LlamaConfig = model.config
+                 cache_len: int | None = None, attention: Any = "dense", devices: int = 1):
+        self.config: LlamaConfig | Any = model.config  # LlamaConfig or LoopedConfig
         self.dtype = model.dtype
+        self._init_cache = model.init_cache  # (batch, max_len, dtype) -> the model's cache
         self.graphdef, self.params = nnx.split(model)
         self.tokenizer = tokenizer
         self.eos_ids = tuple(int(e) for e in (eos_ids if eos_ids is not None
@@ -160,6 +169,7 @@ class Engine:
         self.chat = chat
         self.cache_len = cache_len
         self.attention = attention  # lookahead steps: 'dense' | 'pallas' | 'auto' | a function
+        self.devices = devices  # lookahead parallelism over this many local devices (1 = off)
         self._compiled: dict = {}
 
     @classmethod
@@ -195,7 +205,7 @@ class Engine:
             raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampling = sampling or Sampling()
         la = lookahead or self.lookahead
-        method = resolve_method(method, sampling, la, self.attention)
+        method = resolve_method(method, sampling, la, self.attention, self.devices)
         vocab = self.config.vocab_size
         for p in prompts:
             bad = [t for t in p if not 0 <= int(t) < vocab]
@@ -207,9 +217,7 @@ class Engine:
                              self.config.max_position_embeddings, cache_len or self.cache_len)
         if step is not None:
             step.check_fits(s, self.config.max_position_embeddings)
-        cfg = self.config
-        cache = KVCache.init(cfg.num_layers, len(prompts), s, cfg.num_kv_heads, cfg.head_dim,
-                             self.dtype)
+        cache = self._init_cache(len(prompts), s, self.dtype)
         key = jax.random.key(seed)
         init_args = (self.params, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
         init_c, compile_s = self._compile(

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from lookahead_jax.config import LookaheadConfig
 from models.config import ConfigError, LlamaConfig
+from models.looped import LoopedConfig
 
 EMBEDDED = "smollm2"
 RANDOM = "random"
@@ -41,22 +42,25 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", 
 class Preset:
     """A named configuration for `decode` and `Engine.from_preset`.
 
-    model: the expected model shape, or None to take it from the checkpoint.
+    model: the expected model shape (a LlamaConfig, or a LoopedConfig for a looped model),
+        or None to take it from the checkpoint.
     lookahead: recommended lookahead settings (None: plain decoding is the default method).
     checkpoint: "smollm2" | "random" | a path | None (the user must pass --ckpt).
     chat: wrap prompts in the tokenizer's chat template by default.
     dtype: default parameter dtype, "float32" or "bfloat16".
     weights_hint: the directory name to suggest when weights are missing (e.g. Llama-2-7b-chat-hf).
+    parallel: lookahead parallelism over all local devices by default (`--devices`).
     """
 
     name: str
     description: str
-    model: LlamaConfig | None
+    model: LlamaConfig | LoopedConfig | None
     lookahead: LookaheadConfig | None
     checkpoint: str | None
     chat: bool
     dtype: str = "float32"
     weights_hint: str | None = None
+    parallel: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -98,11 +102,18 @@ def resolve_dtype(dtype: str | None, preset: Preset | None = None):
     return DTYPES[name]
 
 
-def check_model_matches(preset: Preset, found: LlamaConfig, source: str) -> None:
-    """Raises ConfigError naming the first shape field where `found` differs from the preset."""
+def check_model_matches(preset: Preset, found: LlamaConfig | LoopedConfig, source: str) -> None:
+    """Raises ConfigError naming the first shape field where `found` differs from the preset
+    (a config class's own `SHAPE_FIELDS` where it has them, e.g. LoopedConfig)."""
     if preset.model is None:
         return
-    for field in SHAPE_FIELDS:
+    if type(found) is not type(preset.model):
+        kind = lambda c: getattr(c, "family", "llama")  # noqa: E731
+        raise ConfigError(
+            f"checkpoint {source} does not match preset {preset.name}: it is a {kind(found)} "
+            f"model, the preset expects {kind(preset.model)} (pick the --config that matches "
+            f"these weights)")
+    for field in getattr(type(preset.model), "SHAPE_FIELDS", SHAPE_FIELDS):
         want, got = getattr(preset.model, field), getattr(found, field)
         if want != got:
             raise ConfigError(
@@ -120,7 +131,10 @@ def _missing_weights(preset: Preset) -> ConfigError:
 
 def load_model_and_tokenizer(preset: Preset, ckpt: str | os.PathLike | None = None,
                              dtype: str | None = None):
-    """Loads the preset's weights (or `ckpt`) -> (Llama, tokenizer or None, source description)."""
+    """Loads the preset's weights (or `ckpt`) -> (model, tokenizer or None, source description).
+
+    The model is a `Llama`, or a `LoopedLM` when the preset's model is a LoopedConfig or the
+    checkpoint directory's config.json names a looped model (Ouro, Huginn/Raven)."""
     jdtype = resolve_dtype(dtype, preset)
     source = os.fspath(ckpt) if ckpt is not None else preset.checkpoint
     if source is None:
@@ -129,17 +143,30 @@ def load_model_and_tokenizer(preset: Preset, ckpt: str | os.PathLike | None = No
         if preset.model is None:
             raise ConfigError(f"preset {preset.name}: random weights need a model config")
         from flax import nnx  # noqa: PLC0415
+        if isinstance(preset.model, LoopedConfig):
+            from models.looped import LoopedLM  # noqa: PLC0415
+            return LoopedLM(preset.model, dtype=jdtype, rngs=nnx.Rngs(0)), None, "random weights"
         from models.llama import Llama  # noqa: PLC0415
         return Llama(preset.model, dtype=jdtype, rngs=nnx.Rngs(0)), None, "random weights"
     if source == EMBEDDED:
         from lookahead_jax.model_store import smollm2_gguf  # noqa: PLC0415
         source = os.fspath(smollm2_gguf())
     from lookahead_jax.tokenizer import load_tokenizer  # noqa: PLC0415
+    looped = isinstance(preset.model, LoopedConfig)
     if os.path.isdir(source):
-        from models.hf_loader import load_hf_config, load_hf_llama  # noqa: PLC0415
-        check_model_matches(preset, load_hf_config(source), source)
-        model = load_hf_llama(source, dtype=jdtype)
+        from models.looped_loader import is_looped_checkpoint  # noqa: PLC0415
+        if looped or is_looped_checkpoint(source):
+            from models.looped_loader import load_hf_looped, load_looped_config  # noqa: PLC0415
+            check_model_matches(preset, load_looped_config(source), source)
+            model = load_hf_looped(source, dtype=jdtype)
+        else:
+            from models.hf_loader import load_hf_config, load_hf_llama  # noqa: PLC0415
+            check_model_matches(preset, load_hf_config(source), source)
+            model = load_hf_llama(source, dtype=jdtype)
     elif os.path.isfile(source):
+        if looped:
+            raise ConfigError(f"checkpoint {source}: preset {preset.name} is a looped model; "
+                              f"pass a Hugging Face directory (config.json + *.safetensors)")
         if not source.lower().endswith(".gguf"):
             raise ConfigError(
                 f"checkpoint {source} is a file but not a .gguf: pass a .gguf file or a Hugging "
@@ -158,10 +185,14 @@ def load_engine(name: str, ckpt: str | os.PathLike | None = None, dtype: str | N
                 **engine_kw):
     """Preset name (+ optional checkpoint override and dtype) -> a ready `Engine`.
 
-    engine_kw go to `Engine(...)` and may override the preset's `lookahead` and `chat`.
+    engine_kw go to `Engine(...)` and may override the preset's `lookahead`, `chat` and
+    `devices` (default: all local devices for presets with `parallel`, else 1).
     """
     from lookahead_jax.engine import Engine  # noqa: PLC0415
     preset = load_preset(name)
     model, tokenizer, _ = load_model_and_tokenizer(preset, ckpt, dtype)
     kw = {"lookahead": preset.lookahead, "chat": preset.chat, **engine_kw}
+    if preset.parallel and "devices" not in kw:
+        import jax  # noqa: PLC0415
+        kw["devices"] = len(jax.local_devices())
     return Engine(model, tokenizer, **kw)

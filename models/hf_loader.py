@@ -4,7 +4,8 @@ The model is built shape-only (`nnx.eval_shape`), then every parameter is read f
 safetensors file(s) one tensor at a time, converted to the target dtype, placed on the
 device, and the host copy dropped. One table (`_hf_table`) maps each Hugging Face tensor
 name to our parameter path and says whether it is transposed (HF `nn.Linear.weight` is
-[out, in]; our `nnx.Linear.kernel` is [in, out]).
+[out, in]; our `nnx.Linear.kernel` is [in, out]). The reading itself (`load_safetensors_into`,
+`config_from_json`) is shared with the looped models' loader (`models/looped_loader.py`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import os
 import re
 import struct
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -61,12 +62,9 @@ def _hf_table(cfg: LlamaConfig) -> dict[str, tuple[tuple[Any, ...], bool]]:
     return table
 
 
-def load_hf_config(path: str | os.PathLike) -> LlamaConfig:
-    """Reads `<path>/config.json` (a Hugging Face Llama/Mistral config) into a `LlamaConfig`.
-
-    Raises CheckpointError if the directory or file is missing, unreadable, not valid JSON,
-    or not a usable Llama-family config.
-    """
+def read_hf_config_json(path: str | os.PathLike) -> dict[str, Any]:
+    """Reads `<path>/config.json` as a dict. Raises CheckpointError if the directory or file is
+    missing, unreadable, not valid JSON or not a JSON object."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint directory {path!r} does not exist")
@@ -82,11 +80,27 @@ def load_hf_config(path: str | os.PathLike) -> LlamaConfig:
         raise CheckpointError(f"{file}: invalid JSON: {e}") from None
     if not isinstance(hf, dict):
         raise CheckpointError(f"{file}: expected a JSON object, got {type(hf).__name__}")
+    return hf
+
+
+def config_from_json(path: str | os.PathLike, from_hf: Callable[[dict], Any]) -> Any:
+    """`from_hf(config.json dict)`, its ConfigError / ValueError / TypeError raised as a
+    CheckpointError naming the file."""
+    hf = read_hf_config_json(path)
     try:
-        return LlamaConfig.from_hf(hf)
+        return from_hf(hf)
     except (ValueError, TypeError) as e:  # ConfigError is a ValueError
         msg = str(e).removeprefix("config.json: ").removeprefix("model config: ")
-        raise CheckpointError(f"{file}: {msg}") from None
+        raise CheckpointError(f"{os.path.join(os.fspath(path), CONFIG_FILE)}: {msg}") from None
+
+
+def load_hf_config(path: str | os.PathLike) -> LlamaConfig:
+    """Reads `<path>/config.json` (a Hugging Face Llama/Mistral config) into a `LlamaConfig`.
+
+    Raises CheckpointError if the directory or file is missing, unreadable, not valid JSON,
+    or not a usable Llama-family config.
+    """
+    return config_from_json(path, LlamaConfig.from_hf)
 
 
 def _shard_files(path: str) -> dict[str, list[str] | None]:
@@ -153,11 +167,34 @@ def load_hf_llama(path: str | os.PathLike, dtype=jnp.float32,
     """
     path = os.fspath(path)
     cfg = config if config is not None else load_hf_config(path)
+    tied = cfg.tie_word_embeddings
+    return load_safetensors_into(
+        path, lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)), _hf_table(cfg), dtype,
+        skip=lambda name: bool(_IGNORED.search(name)) or (name == "lm_head.weight" and tied),
+        kind="Llama model",
+        missing_hint=lambda missing: (" (config has tie_word_embeddings=false)"
+                                      if "lm_head.weight" in missing else ""))
+
+
+def load_safetensors_into(path: str | os.PathLike, build: Callable[[], nnx.Module],
+                          table: Mapping[str, tuple[tuple[Any, ...], bool]], dtype, *,
+                          skip: Callable[[str], bool], kind: str,
+                          missing_hint: Callable[[list[str]], str] = lambda missing: ""
+                          ) -> nnx.Module:
+    """Builds `build()` shape-only and fills every parameter from the safetensors file(s) of
+    `path`, through `table` (HF tensor name -> (path in the nnx state, transpose?)).
+
+    Tensors are read lazily one at a time and cast to `dtype`; every shape is checked. Names
+    for which `skip(name)` holds are ignored. Raises CheckpointError naming the file or tensor
+    for a missing / corrupt file or shard, a misshapen tensor, a tensor the model has no place
+    for (`kind` names the model in that message) or one the table needs that is absent
+    (`missing_hint(missing names)` is appended to that message).
+    """
+    path = os.fspath(path)
     files = _shard_files(path)
-    abstract = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(build)
     graphdef, state = nnx.split(abstract)
     variables = dict(nnx.to_flat_state(state))
-    table = _hf_table(cfg)
     target = np.dtype(dtype)
     loaded: set[str] = set()
     unknown: list[str] = []
@@ -173,8 +210,7 @@ def load_hf_llama(path: str | os.PathLike, dtype=jnp.float32,
                             f"{file}: tensor {name!r} listed in {SAFETENSORS_INDEX} is not in "
                             f"this shard")
                     if name not in table:
-                        if not (_IGNORED.search(name) or
-                                (name == "lm_head.weight" and cfg.tie_word_embeddings)):
+                        if not skip(name):
                             unknown.append(name)
                         continue
                     key, transpose = table[name]
@@ -206,11 +242,10 @@ def load_hf_llama(path: str | os.PathLike, dtype=jnp.float32,
     if unknown:
         shown = ", ".join(sorted(unknown)[:5]) + (" ..." if len(unknown) > 5 else "")
         raise CheckpointError(
-            f"{path}: {len(unknown)} tensor(s) this Llama model has no place for: {shown}")
+            f"{path}: {len(unknown)} tensor(s) this {kind} has no place for: {shown}")
     missing = [n for n in table if n not in loaded]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        hint = (" (config has tie_word_embeddings=false)" if "lm_head.weight" in missing else "")
         raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint: "
-                              f"{shown}{hint}")
+                              f"{shown}{missing_hint(missing)}")
     return nnx.merge(graphdef, state)

@@ -1,0 +1,23 @@
+"""A tiny Ouro-style looped model (2 shared sandwich-norm layers x 4 loops, width 256, 4 heads,
+vocab 4096, tied embeddings, exit gate): the shape `train_looped` trains as `tiny_ouro`. Its
+checkpoint is "random" (weights from nnx.Rngs(0), no tokenizer: `--prompt_ids=1,2,3`) until
+the trained weights (checkpoints/tiny_ouro) are added; --ckpt loads a directory of this shape."""
+
+from lookahead_jax.presets import Preset
+from models.looped import LoopedConfig
+
+
+def get_config() -> Preset:
+    return Preset(
+        name="tiny_ouro",
+        description=__doc__,
+        model=LoopedConfig(
+            family="ouro", vocab_size=4096, hidden_size=256, intermediate_size=768, num_heads=4,
+            num_kv_heads=4, num_layers=2, num_loops=4, rope_theta=10000.0, rms_norm_eps=1e-6,
+            tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=0,
+            eos_token_ids=(1,)),
+        lookahead=None,
+        checkpoint="random",
+        chat=False,
+        dtype="float32",
+    )
