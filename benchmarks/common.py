@@ -75,6 +75,33 @@ def gsm8k_questions(data_dir: str | None = None, n: int | None = None) -> list[s
     return _take(data_file(data_dir, GSM8K), "question", n)
 
 
+def encoded_prompts(engine, name: str, n: int, data_dir: str | None = None) -> list[list[int]]:
+    """The first n prompts of a data set as token ids: MT-Bench turn 1 and GSM8K with the chat
+    template, HumanEval raw."""
+    if name == "mt_bench":
+        texts, chat = mt_bench_turn1(data_dir, n), True
+    elif name == "humaneval":
+        texts, chat = humaneval_prompts(data_dir, n), False
+    elif name == "gsm8k":
+        texts, chat = gsm8k_questions(data_dir, n), True
+    else:
+        raise ValueError(f"unknown data set {name!r}: mt_bench, humaneval or gsm8k")
+    return [engine.encode(t, chat=chat) for t in texts]
+
+
+def parse_settings(text: str, seedings: Sequence[bool] = (False,)) -> list:
+    """"15,5,15:7,5,7" -> LookaheadConfigs, each with every prompt-seeding choice given."""
+    from lookahead_jax.config import LookaheadConfig  # noqa: PLC0415
+    out = []
+    for part in text.split(":"):
+        try:
+            w, n, g = (int(x) for x in part.split(","))
+        except ValueError:
+            raise ValueError(f"bad setting {part!r}: expected W,N,G") from None
+        out += [LookaheadConfig(W=w, N=n, G=g, prompt_seeding=s) for s in seedings]
+    return out
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on."""
     import jax  # noqa: PLC0415

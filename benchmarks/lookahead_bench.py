@@ -58,25 +58,14 @@ REFERENCE = {"mt_bench": (1.64, 8.7), "humaneval": (1.82, 9.5), "gsm8k": (1.94, 
 
 
 def load_prompts(engine, name: str, n: int) -> list[list[int]]:
-    """Token ids: MT-Bench turn 1 and GSM8K with the chat template, HumanEval raw."""
-    if name == "mt_bench":
-        texts, chat = common.mt_bench_turn1(FLAGS.data_dir, n), True
-    elif name == "humaneval":
-        texts, chat = common.humaneval_prompts(FLAGS.data_dir, n), False
-    elif name == "gsm8k":
-        texts, chat = common.gsm8k_questions(FLAGS.data_dir, n), True
-    else:
-        raise app.UsageError(f"unknown data set {name!r}: mt_bench, humaneval or gsm8k")
-    return [engine.encode(t, chat=chat) for t in texts]
+    try:
+        return common.encoded_prompts(engine, name, n, FLAGS.data_dir)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
 
 
 def parse_settings() -> list[LookaheadConfig]:
-    out = []
-    for part in FLAGS.settings.split(":"):
-        w, n, g = (int(x) for x in part.split(","))
-        for seeding in FLAGS.seeding:
-            out.append(LookaheadConfig(W=w, N=n, G=g, prompt_seeding=seeding == "on"))
-    return out
+    return common.parse_settings(FLAGS.settings, [s == "on" for s in FLAGS.seeding])
 
 
 def label(cfg: LookaheadConfig | None) -> str:

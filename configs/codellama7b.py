@@ -19,4 +19,5 @@ def get_config() -> Preset:
         chat=False,
         dtype="bfloat16",
         weights_hint="CodeLlama-7b-hf",
+        parallel=True,  # lookahead parallelism over all local devices (each holds the model)
     )

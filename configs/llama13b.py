@@ -19,4 +19,5 @@ def get_config() -> Preset:
         chat=True,
         dtype="bfloat16",
         weights_hint="Llama-2-13b-chat-hf",
+        parallel=True,  # lookahead parallelism over all local devices (each holds the model)
     )

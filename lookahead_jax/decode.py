@@ -68,6 +68,9 @@ def define_flags() -> None:
     f.DEFINE_enum("attention", None, ["dense", "pallas", "auto"], "Attention of the lookahead "
                   "steps: dense, the block-sparse Pallas kernel (GPU/TPU only), or auto (the "
                   "kernel where the platform has one, else dense). Default: dense.")
+    f.DEFINE_integer("devices", None, "Lookahead parallelism: split each lookahead step's "
+                     "window columns and candidates across this many local devices (default: "
+                     "all local devices for presets that enable it, else 1).")
     f.DEFINE_bool("chat", None, "Wrap prompts in the chat template (default: the preset's); "
                   "raw text when false.")
     f.DEFINE_string("json_out", None, "Write the prompts, outputs and stats to this JSON file.")
@@ -96,6 +99,7 @@ class Options:
     prompt_seeding: bool | None = None
     cache_len: int | None = None
     attention: str | None = None
+    devices: int | None = None
     chat: bool | None = None
     json_out: str | None = None
 
@@ -162,7 +166,8 @@ def read_prompt_file(path: str, limit: int = 0) -> list[str]:
 
 # -- settings ------------------------------------------------------------------------------------
 def resolve_settings(opts: Options, preset):
-    """Checks the decoding flags against the preset -> (method, Sampling, LookaheadConfig|None).
+    """Checks the decoding flags against the preset -> (method, Sampling, LookaheadConfig|None,
+    devices).
 
     Everything here fails before any weights are loaded."""
     from lookahead_jax.config import LookaheadConfig  # noqa: PLC0415
@@ -179,19 +184,27 @@ def resolve_settings(opts: Options, preset):
     overrides = {k: v for k, v in (("W", opts.W), ("N", opts.N), ("G", opts.G),
                                     ("prompt_seeding", opts.prompt_seeding)) if v is not None}
     method = opts.method or ("lookahead" if preset.lookahead is not None or overrides else "ar")
+    if opts.devices is not None and opts.devices < 1:
+        raise ConfigError(f"--devices must be >= 1, got {opts.devices}")
     if method == "ar":
         if overrides:
             raise ConfigError(f"--{'/--'.join(overrides)} only apply to --method=lookahead")
         if opts.attention == "pallas":
             raise ConfigError("--attention=pallas only applies to --method=lookahead")
-        return method, sampling, None
+        if (opts.devices or 1) > 1:
+            raise ConfigError("--devices only applies to --method=lookahead")
+        return method, sampling, None, 1
+    devices = opts.devices
+    if devices is None:
+        import jax  # noqa: PLC0415
+        devices = len(jax.local_devices()) if preset.parallel else 1
     lookahead = dataclasses.replace(preset.lookahead or LookaheadConfig(), **overrides)
     from pallas_kernels.attention import KernelUnavailable  # noqa: PLC0415
     try:  # the method's own checks (e.g. sampling support, the attention kernel's platform)
-        resolve_method(method, sampling, lookahead, opts.attention or "dense")
+        resolve_method(method, sampling, lookahead, opts.attention or "dense", devices)
     except KernelUnavailable as e:
         raise ConfigError(f"--attention={opts.attention}: {e}") from None
-    return method, sampling, lookahead
+    return method, sampling, lookahead, devices
 
 
 def _one_line(msg: str) -> str:
@@ -227,7 +240,7 @@ def _run(opts: Options, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
     if len(sources) > 1:
         raise ConfigError(f"give one of --prompt, --prompt_file, --prompt_ids, not "
                           f"{' and '.join(sources)}")
-    method, sampling, lookahead = resolve_settings(opts, preset)
+    method, sampling, lookahead, devices = resolve_settings(opts, preset)
     resolve_dtype(opts.dtype, preset)
     chat = preset.chat if opts.chat is None else opts.chat
     if opts.json_out:  # fail before the (slow) generation, not after it
@@ -246,7 +259,7 @@ def _run(opts: Options, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
 
     model, tokenizer, source = load_model_and_tokenizer(preset, opts.ckpt, opts.dtype)
     engine = Engine(model, tokenizer, lookahead=lookahead, chat=chat, cache_len=opts.cache_len,
-                    attention=opts.attention or "dense")
+                    attention=opts.attention or "dense", devices=devices)
     if tokenizer is None and ids is None:
         raise ConfigError(
             f"preset {preset.name} with {source} has no tokenizer: give token ids with "

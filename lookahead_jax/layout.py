@@ -57,30 +57,9 @@ class StepLayout:
 
     @functools.cached_property
     def _tables(self) -> tuple[np.ndarray, np.ndarray]:
-        t = self.size
-        offsets = np.zeros(t, np.int32)
-        # For every token: (branch, level-or-token, column-or-candidate). Branch 0 = window.
-        branch = np.zeros(t, np.int32)
-        row = np.zeros(t, np.int32)
-        col = np.zeros(t, np.int32)
         lev, column = np.meshgrid(np.arange(self.N - 1), np.arange(self.W), indexing="ij")
-        wi = self.window_index
-        offsets[wi] = lev + column
-        row[wi], col[wi] = lev, column
-        if self.G:
-            g, j = np.meshgrid(np.arange(self.G), np.arange(self.N - 1), indexing="ij")
-            ci = self.candidate_index
-            offsets[ci] = j + 1
-            branch[ci], row[ci], col[ci] = 1, j, g
-        q = (slice(None), None)
-        k = (None, slice(None))
-        win_q, win_k = branch[q] == 0, branch[k] == 0
-        window_sees = win_q & win_k & (
-            ((row[k] == 0) & (col[k] <= col[q])) | ((row[k] >= 1) & (row[k] <= row[q]) & (col[k] == col[q])))
-        cand_sees_current = (branch[q] == 1) & (np.arange(t)[k] == 0)
-        cand_sees_own = (branch[q] == 1) & (branch[k] == 1) & (col[k] == col[q]) & (row[k] <= row[q])
-        mask = window_sees | cand_sees_current | cand_sees_own
-        return offsets, mask
+        g, j = np.meshgrid(np.arange(self.G), np.arange(self.N - 1), indexing="ij")
+        return step_tables(lev.ravel(), column.ravel(), j.ravel(), g.ravel())
 
     @property
     def offsets(self) -> np.ndarray:
@@ -91,3 +70,104 @@ class StepLayout:
     def mask(self) -> np.ndarray:
         """[T, T] bool, mask[q, k]: step token q sees step token k."""
         return self._tables[1]
+
+
+def step_tables(win_level: np.ndarray, win_column: np.ndarray, cand_token: np.ndarray,
+                cand_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets [T] and mask [T, T] of a step holding the given window cells, then the given
+    candidate tokens, in that order: the visibility rules above, in one place.
+
+    win_level/win_column: the window cells (level l, column i), cell (0, 0) being the current
+    token; cand_token/cand_index: candidate g's token j. `StepLayout` passes every cell and
+    candidate; lookahead parallelism (`ShardedLayout`) passes a device's share.
+    """
+    nw = len(win_level)
+    branch = np.concatenate([np.zeros(nw, np.int32), np.ones(len(cand_token), np.int32)])
+    row = np.concatenate([win_level, cand_token]).astype(np.int32)
+    col = np.concatenate([win_column, cand_index]).astype(np.int32)
+    offsets = np.where(branch == 0, row + col, row + 1).astype(np.int32)
+    q = (slice(None), None)
+    k = (None, slice(None))
+    win_q, win_k = branch[q] == 0, branch[k] == 0
+    window_sees = win_q & win_k & (
+        ((row[k] == 0) & (col[k] <= col[q])) | ((row[k] >= 1) & (row[k] <= row[q]) & (col[k] == col[q])))
+    is_current = (branch == 0) & (row == 0) & (col == 0)
+    cand_sees_current = (branch[q] == 1) & is_current[k]
+    cand_sees_own = (branch[q] == 1) & (branch[k] == 1) & (col[k] == col[q]) & (row[k] <= row[q])
+    return offsets, window_sees | cand_sees_current | cand_sees_own
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedLayout:
+    """One device's share of a step under lookahead parallelism (`parallel.py`).
+
+    The window's columns and the candidates are split into `devices` contiguous blocks of
+    `W_d = ceil(W / devices)` columns and `G_d = ceil(G / devices)` candidates (padded: columns
+    >= W and candidates >= G are dummies whose outputs are dropped). Device d feeds
+
+        level 0, all W_pad = devices * W_d columns (column 0 is the current token)
+        levels 1..N-2 of its own columns [d * W_d, (d+1) * W_d)
+        its own candidates [d * G_d, (d+1) * G_d), N-1 tokens each
+
+    Level 0 is replicated because a window token of column i sees level 0's columns 0..i; the
+    other levels and the candidates are not. Every device's share has the same size, so the
+    per-device tables below stack into [devices, ...] arrays indexed by the device's axis index.
+    """
+
+    W: int
+    N: int
+    G: int
+    devices: int
+
+    @property
+    def W_d(self) -> int:
+        return -(-self.W // self.devices)
+
+    @property
+    def G_d(self) -> int:
+        return -(-self.G // self.devices)
+
+    @property
+    def W_pad(self) -> int:
+        return self.W_d * self.devices
+
+    @property
+    def G_pad(self) -> int:
+        return self.G_d * self.devices
+
+    @property
+    def size(self) -> int:
+        """Tokens one device feeds per step (the step's pending block not included)."""
+        return self.W_pad + (self.N - 2) * self.W_d + self.G_d * (self.N - 1)
+
+    def _cells(self, d: int) -> tuple[np.ndarray, np.ndarray]:
+        own = d * self.W_d + np.arange(self.W_d)
+        lev = [np.zeros(self.W_pad, np.int32)] + [np.full(self.W_d, l, np.int32)
+                                                   for l in range(1, self.N - 1)]
+        col = [np.arange(self.W_pad, dtype=np.int32)] + [own.astype(np.int32)] * (self.N - 2)
+        return np.concatenate(lev), np.concatenate(col)
+
+    @functools.cached_property
+    def tables(self) -> dict[str, np.ndarray]:
+        """Per-device tables, each stacked over devices:
+        offsets [D, T], mask [D, T, T] (as `StepLayout`'s, for this device's tokens);
+        window_src [D, T_win]: flat index l * W_pad + i of each window token in the padded grid;
+        newest [D, N-1, W_d]: step index of the device's own column cells at each level;
+        candidates [D, G_d, N-1]: step index of the device's candidate tokens."""
+        n1 = self.N - 1
+        out: dict[str, list[np.ndarray]] = {k: [] for k in ("offsets", "mask", "window_src",
+                                                             "newest", "candidates")}
+        for d in range(self.devices):
+            lev, col = self._cells(d)
+            g, j = np.meshgrid(d * self.G_d + np.arange(self.G_d), np.arange(n1), indexing="ij")
+            offsets, mask = step_tables(lev, col, j.ravel(), g.ravel())
+            out["offsets"].append(offsets)
+            out["mask"].append(mask)
+            out["window_src"].append((lev * self.W_pad + col).astype(np.int32))
+            own = d * self.W_d + np.arange(self.W_d)
+            index = {(l, i): t for t, (l, i) in enumerate(zip(lev.tolist(), col.tolist()))}
+            out["newest"].append(np.array([[index[(l, i)] for i in own] for l in range(n1)],
+                                          np.int32).reshape(n1, self.W_d))
+            out["candidates"].append(
+                (len(lev) + np.arange(self.G_d * n1, dtype=np.int32)).reshape(self.G_d, n1))
+        return {k: np.stack(v) for k, v in out.items()}

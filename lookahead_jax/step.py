@@ -86,6 +86,14 @@ def lookahead_init(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
                           jnp.ones((), jnp.int32), stats)
 
 
+def step_candidates(state: LookaheadState, cfg: LookaheadConfig) -> tuple[jax.Array, jax.Array]:
+    """The pool's candidates for the current token: [B, G, N-1] tokens, [B, G] validity."""
+    if cfg.G:
+        return state.pool.lookup(state.token, cfg.G)
+    b = state.token.shape[0]
+    return jnp.zeros((b, 0, cfg.N - 1), jnp.int32), jnp.zeros((b, 0), bool)
+
+
 def lookahead_step(model: nnx.Module, state: LookaheadState, *, cfg: LookaheadConfig,
                    sampling: Sampling, eos_ids: tuple[int, ...],
                    verifier: Verifier = verify_sampling,
@@ -105,13 +113,9 @@ def lookahead_step(model: nnx.Module, state: LookaheadState, *, cfg: LookaheadCo
     cand_idx = jnp.asarray(layout.candidate_index)
 
     grid = state.window.with_current(state.token)  # [B, N-1, W]
+    cands, cand_valid = step_candidates(state, cfg)  # [B, G, N-1], [B, G]
     step_tokens = jnp.zeros((b, layout.size), jnp.int32).at[:, win_idx].set(grid)
-    if cfg.G:
-        cands, cand_valid = state.pool.lookup(state.token, cfg.G)  # [B, G, N-1], [B, G]
-        step_tokens = step_tokens.at[:, cand_idx].set(cands)
-    else:
-        cands = jnp.zeros((b, 0, cfg.N - 1), jnp.int32)
-        cand_valid = jnp.zeros((b, 0), bool)
+    step_tokens = step_tokens.at[:, cand_idx].set(cands)
     positions = cache.length[:, None] + jnp.asarray(layout.offsets)[None, :]
     mask = StepMask(cache.length, layout, cache.max_len)  # [cache.visible() | layout.mask]
     # logits only where they are read: the current token, the newest window level, candidates
@@ -123,13 +127,6 @@ def lookahead_step(model: nnx.Module, state: LookaheadState, *, cfg: LookaheadCo
     next0, new_level = preds[:, 0], preds[:, 1: 1 + cfg.W]
     cand_preds = preds[:, 1 + cfg.W:].reshape(b, cfg.G, cfg.N - 1)
 
-    # 1-2. window: the newest level, and the W n-grams it completes once full
-    pool = state.pool
-    if cfg.G:
-        harvest = jnp.broadcast_to((live & state.window.full)[:, None], (b, cfg.W))
-        pool = pool.insert(state.window.ngrams(grid, new_level), harvest)
-    window = state.window.advance(grid, new_level)
-
     # 3. verification: greedy, or the rejection scheme that keeps the sampling distribution
     key = state.key
     if sampling.greedy:
@@ -140,13 +137,32 @@ def lookahead_step(model: nnx.Module, state: LookaheadState, *, cfg: LookaheadCo
         verdict = verifier(sub, sampling, logits[:, 0], cand_logits, cands, cand_valid)
 
     # 4. commit: the current token's K/V, then the accepted candidate tokens' own K/V
-    rows = jnp.arange(b)
     src = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
                            cand_idx[verdict.best] if cfg.G else jnp.zeros((b, 0), jnp.int32)],
                           axis=1)
     cache = cache.append(new_kv, src, jnp.where(live, verdict.count, 0))
+    return advance_state(state, cfg=cfg, eos_ids=eos_ids, grid=grid, new_level=new_level,
+                         cand_valid=cand_valid, verdict=verdict, cache=cache, key=key)
+
+
+def advance_state(state: LookaheadState, *, cfg: LookaheadConfig, eos_ids: tuple[int, ...],
+                  grid: jax.Array, new_level: jax.Array, cand_valid: jax.Array, verdict: Verdict,
+                  cache: KVCache, key: jax.Array) -> LookaheadState:
+    """Everything a step does once the model has spoken and the cache is committed: harvest
+    the window's n-grams into the pool, slide the window, emit the verdict's tokens, seed the
+    pool with committed n-grams, count. grid [B, N-1, W] (the step's window), new_level [B, W]
+    (the argmax at the newest level), cand_valid [B, G]."""
+    b = grid.shape[0]
+    live = ~state.out.done
+    # 1-2. window: the newest level, and the W n-grams it completes once full
+    pool = state.pool
+    if cfg.G:
+        harvest = jnp.broadcast_to((live & state.window.full)[:, None], (b, cfg.W))
+        pool = pool.insert(state.window.ngrams(grid, new_level), harvest)
+    window = state.window.advance(grid, new_level)
+
     out, taken = state.out.emit(verdict.tokens, verdict.count, eos_ids)
-    token = verdict.tokens[rows, verdict.accepted]
+    token = verdict.tokens[jnp.arange(b), verdict.accepted]
 
     history, hist_len = state.history, state.hist_len
     if cfg.prompt_seeding and cfg.G:
@@ -206,12 +222,17 @@ class Lookahead:
                              attention_fn=resolve_attention(self.attention))
 
     def summary(self, state: LookaheadState) -> dict:
-        hist = np.asarray(state.stats.accepted_hist)
-        row_steps = int(state.stats.row_steps)
-        return {
-            "W": self.config.W, "N": self.config.N, "G": self.config.G,
-            "prompt_seeding": self.config.prompt_seeding,
-            "accepted_hist": hist.tolist(),
-            "pool_hit_rate": int(state.stats.pool_hits) / row_steps if row_steps else 0.0,
-            "pool_bytes": state.pool.nbytes,
-        }
+        return summarize(self.config, state)
+
+
+def summarize(cfg: LookaheadConfig, state: LookaheadState) -> dict:
+    """A finished run's lookahead statistics (host side)."""
+    hist = np.asarray(state.stats.accepted_hist)
+    row_steps = int(state.stats.row_steps)
+    return {
+        "W": cfg.W, "N": cfg.N, "G": cfg.G,
+        "prompt_seeding": cfg.prompt_seeding,
+        "accepted_hist": hist.tolist(),
+        "pool_hit_rate": int(state.stats.pool_hits) / row_steps if row_steps else 0.0,
+        "pool_bytes": state.pool.nbytes,
+    }

@@ -10,6 +10,8 @@ at least one token and a fully matched candidate yields N.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -64,23 +66,41 @@ def verify_sampling(key: jax.Array, sampling: Sampling, logits0: jax.Array,
     logits0 [B, V]: at the current token; cand_logits [B, G, N-1, V]: at each candidate token;
     cands [B, G, N-1]; valid [B, G].
     """
+    rows = jnp.arange(cands.shape[0])
+
+    def logits_at(j, rep):
+        return logits0 if j == 0 else cand_logits[rows, rep, j - 1]
+
+    return sampling_verdict(key, sampling, logits_at, cands, valid)
+
+
+def sampling_verdict(key: jax.Array, sampling: Sampling,
+                     logits_at: Callable[[int, jax.Array], jax.Array], cands: jax.Array,
+                     valid: jax.Array, agree: Callable | None = None) -> Verdict:
+    """`verify_sampling`'s procedure, with the logits supplied per position.
+
+    logits_at(j, rep) -> [B, V]: the logits that predict candidate token j, read at the
+    surviving candidate `rep` [B] (j = 0: at the current token; rep is then unused).
+    agree(j, rep, (took, token)) -> (took, token): makes every participant use the decision
+    taken from the logits of (j, rep); lookahead parallelism passes one that keeps the
+    decision of the device holding candidate `rep` (j = 0: device 0). Default: the identity.
+    Every random draw is a function of `key` alone, so all participants draw the same numbers.
+    """
+    agree = agree or (lambda j, rep, decision: decision)
     b, g, n1 = cands.shape
     rows = jnp.arange(b)
     k_try, k_res = jax.random.split(key)
     u = jax.random.uniform(k_try, (b, n1, max(g, 1)))
     res_keys = jax.random.split(k_res, n1 + 1)
 
-    def target(logits):
-        return jax.nn.softmax(sampling.log_probs(logits), axis=-1)
-
-    probs = target(logits0)
     alive = valid
     accepted = jnp.zeros((b,), jnp.int32)
     stopped = jnp.zeros((b,), bool)
     final = jnp.zeros((b,), jnp.int32)
+    rep = jnp.zeros((b,), jnp.int32)
     for j in range(n1 if g else 0):
         active = ~stopped
-        res = probs
+        res = jax.nn.softmax(sampling.log_probs(logits_at(j, rep)), axis=-1)
         decided = ~active
         token_j = jnp.zeros((b,), jnp.int32)
         for gi in range(g):
@@ -97,15 +117,18 @@ def verify_sampling(key: jax.Array, sampling: Sampling, logits0: jax.Array,
             decided = decided | accept
         took = decided & active
         drawn = jax.random.categorical(res_keys[j], jnp.log(res), axis=-1).astype(jnp.int32)
-        final = jnp.where(active & ~took, drawn, final)
+        took, token_j = agree(j, rep, (took, jnp.where(took, token_j, drawn)))
+        final = jnp.where(active & ~took, token_j, final)
         stopped = stopped | (active & ~took)
         accepted = accepted + took.astype(jnp.int32)
         alive = jnp.where(took[:, None], alive & (cands[:, :, j] == token_j[:, None]), alive)
-        rep = jnp.argmax(alive, axis=1)
-        probs = target(cand_logits[rows, rep, j])
+        rep = jnp.argmax(alive, axis=1).astype(jnp.int32)
+    last = n1 if g else 0
+    probs = jax.nn.softmax(sampling.log_probs(logits_at(last, rep)), axis=-1)
     drawn = jax.random.categorical(res_keys[n1], jnp.log(probs), axis=-1).astype(jnp.int32)
+    _, drawn = agree(last, rep, (stopped, drawn))
     final = jnp.where(stopped, final, drawn)
-    best = jnp.argmax(alive, axis=1).astype(jnp.int32) if g else jnp.zeros((b,), jnp.int32)
+    best = rep if g else jnp.zeros((b,), jnp.int32)
     base = cands[rows, best] if g else jnp.zeros((b, n1), jnp.int32)
     tokens = jnp.concatenate([base, jnp.zeros((b, 1), jnp.int32)], axis=1)
     tokens = jnp.where(jnp.arange(n1 + 1)[None, :] == accepted[:, None], final[:, None], tokens)

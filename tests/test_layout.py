@@ -20,7 +20,7 @@ from flax import nnx
 
 from lookahead_jax.config import LookaheadConfig
 from lookahead_jax.generation import pad_prompts, prefill
-from lookahead_jax.layout import StepLayout
+from lookahead_jax.layout import ShardedLayout, StepLayout
 from models import KVCache, Llama, LlamaConfig, causal_mask
 
 SHAPES = [(1, 2, 0), (1, 2, 1), (3, 2, 2), (4, 3, 0), (2, 4, 3), (5, 5, 5), (1, 5, 2), (3, 3, 1)]
@@ -101,6 +101,55 @@ def test_layout_matches_brute_force(W, N, G):
     for g in range(G):
         for j in range(N - 1):
             assert toks[layout.candidate_index[g, j]] == ("cand", g, j)
+
+
+SHARDED = [(15, 5, 15, 8), (7, 5, 7, 3), (4, 3, 4, 8), (5, 4, 3, 2), (3, 2, 0, 2), (6, 3, 5, 4),
+           (1, 2, 1, 1)]
+
+
+def _share_tokens(lay: ShardedLayout, d: int) -> list[tuple]:
+    """Device d's step tokens as brute_tokens-style tuples; padding cells get a "dummy" tag."""
+    toks = []
+    for src in lay.tables["window_src"][d]:
+        level, i = divmod(int(src), lay.W_pad)
+        tok = ("current",) if (level, i) == (0, 0) else ("window", level, i)
+        toks.append(tok if i < lay.W else ("dummy",) + tok)
+    for g in range(d * lay.G_d, (d + 1) * lay.G_d):
+        for j in range(lay.N - 1):
+            toks.append(("cand", g, j) if g < lay.G else ("dummy", "cand", g, j))
+    return toks
+
+
+@pytest.mark.parametrize("W,N,G,D", SHARDED)
+def test_sharded_layout_is_the_step_layout_split(W, N, G, D):
+    """Each device's share obeys the same offsets and visibility as the whole step; level 0 is
+    replicated, every other window cell and every candidate token is on exactly one device;
+    dummies (padding) are never seen by a real token."""
+    lay = ShardedLayout(W, N, G, D)
+    tabs = lay.tables
+    owned: list[tuple] = []
+    for d in range(D):
+        toks = _share_tokens(lay, d)
+        assert len(toks) == lay.size == tabs["offsets"].shape[1]
+        for a, q in enumerate(toks):
+            if q[0] == "dummy":
+                continue
+            assert tabs["offsets"][d, a] == brute_offset(q), (d, q)
+            for b, k in enumerate(toks):
+                if k[0] == "dummy":
+                    assert not tabs["mask"][d, a, b], (d, q, k)
+                else:
+                    assert tabs["mask"][d, a, b] == brute_sees(q, k), (d, q, k)
+        own_cols = range(d * lay.W_d, (d + 1) * lay.W_d)
+        for level in range(N - 1):  # `newest`: this device's own column cells at each level
+            got = [toks[t] for t in tabs["newest"][d, level]]
+            want = [("current",) if (level, i) == (0, 0) else ("window", level, i) for i in own_cols]
+            assert [t[-len(w):] if t[0] == "dummy" else t for t, w in zip(got, want)] == want
+        for g, row in enumerate(tabs["candidates"][d]):
+            assert [toks[t][-3:] for t in row] == [("cand", d * lay.G_d + g, j) for j in range(N - 1)]
+        owned += [t for t in toks if t[0] in ("window", "cand") and t[:2] != ("window", 0)]
+    whole = [t for t in brute_tokens(W, N, G) if t != ("current",) and not (t[0] == "window" and t[1] == 0)]
+    assert sorted(owned) == sorted(whole)  # levels >= 1 and candidates: each exactly once
 
 
 @pytest.mark.parametrize("W,N,G", SHAPES)

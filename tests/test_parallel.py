@@ -1,0 +1,211 @@
+"""Lookahead parallelism (`lookahead_jax/parallel.py`) on 8 CPU devices.
+
+The multi-device tests need 8 devices, which XLA creates on CPU only if
+XLA_FLAGS=--xla_force_host_platform_device_count=8 is set before JAX starts. So in a normal
+test run `test_on_8_cpu_devices` runs this file again in its own process with that flag, and
+the tests marked `needs8` run there (they skip, saying so, in the parent process).
+
+Pinned there:
+  * outputs identical to single-device lookahead (and to plain greedy) for several (W, N, G)
+    and device counts, W and G not divisible by the device count included, greedy and
+    sampling with the same seed;
+  * the compiled program's collectives: every one moves int32 token ids, O((W + G) N) of them
+    per step, and no activations; the same inspection flags a program that all-reduces floats;
+  * the CLI's --devices.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lookahead_jax.config import LookaheadConfig
+from lookahead_jax.engine import Engine, resolve_method
+from lookahead_jax.sampling import Sampling
+from lookahead_jax.step import Lookahead
+from models.config import ConfigError
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_lookahead import make_model  # noqa: E402  (the structured tiny model)
+
+DEVICES = 8
+needs8 = pytest.mark.skipif(len(jax.devices()) < DEVICES,
+                            reason="needs 8 devices: run by test_on_8_cpu_devices in its own "
+                                   "process with --xla_force_host_platform_device_count=8")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.skipif(len(jax.devices()) >= DEVICES, reason="already running on 8 devices")
+def test_on_8_cpu_devices():
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                          f" --xla_force_host_platform_device_count={DEVICES}").strip())
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.abspath(__file__)], env=env, cwd=REPO, capture_output=True,
+                       text=True, timeout=1800)
+    tail = r.stdout[-6000:] + r.stderr[-3000:]
+    assert r.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", r.stdout)
+    assert passed and int(passed.group(1)) >= 10, tail  # the needs8 tests really ran
+    assert "skipped" in r.stdout  # only this test itself is skipped there
+
+
+# ------------------------------------------------------------------------------------------
+PROMPTS = [[3, 5, 7, 9, 11, 3, 5, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [42]]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(make_model(), eos_ids=())
+
+
+@pytest.fixture(scope="module")
+def plain(engine):
+    return engine.generate_ids(PROMPTS, method="ar", max_new_tokens=MAX_NEW).tokens
+
+
+# (W, N, G, devices): W and G divisible by the devices or not, fewer columns than devices,
+# N = 2 (no window levels beyond level 0), G = 0 (no verification branch)
+SETTINGS = [(4, 3, 4, 2, False), (5, 4, 3, 3, True), (15, 5, 15, 8, False), (3, 2, 0, 2, True),
+            (6, 3, 5, 4, False), (2, 4, 9, 8, True)]
+
+
+@needs8
+@pytest.mark.parametrize("W,N,G,D,seeding", SETTINGS)
+def test_greedy_equals_single_device_and_plain(engine, plain, W, N, G, D, seeding):
+    cfg = LookaheadConfig(W=W, N=N, G=G, prompt_seeding=seeding)
+    single = engine.generate_ids(PROMPTS, method=Lookahead(cfg), max_new_tokens=MAX_NEW)
+    par = engine.generate_ids(PROMPTS, method=resolve_method("lookahead", Sampling(), cfg,
+                                                             devices=D),
+                              max_new_tokens=MAX_NEW)
+    assert type(par.stats.extra.get("devices")) is int and par.stats.extra["devices"] == D
+    assert par.tokens == single.tokens == plain
+    # same pool, same window, same verification: the same number of steps
+    assert par.stats.steps == single.stats.steps
+    assert par.stats.extra["accepted_hist"] == single.stats.extra["accepted_hist"]
+    if G:
+        assert max(i for i, c in enumerate(par.stats.extra["accepted_hist"]) if c) >= 1
+
+
+@needs8
+@pytest.mark.parametrize("W,N,G,D,sampling", [
+    (7, 5, 7, 8, Sampling(temperature=1.0)),
+    (5, 4, 6, 4, Sampling(temperature=0.7, top_k=5)),
+    (6, 3, 5, 3, Sampling(temperature=1.0, top_p=0.9)),
+])
+def test_sampling_equals_single_device(engine, W, N, G, D, sampling):
+    """Same seed, same tokens: every device draws the same random numbers, and each position's
+    accept/reject decision comes from the device holding the logits it needs."""
+    cfg = LookaheadConfig(W=W, N=N, G=G, prompt_seeding=True)
+    for seed in (0, 7):
+        single = engine.generate_ids(PROMPTS, method=Lookahead(cfg, sampling),
+                                     max_new_tokens=MAX_NEW, seed=seed)
+        par = engine.generate_ids(PROMPTS, method=resolve_method("lookahead", sampling, cfg,
+                                                                 devices=D),
+                                  max_new_tokens=MAX_NEW, seed=seed)
+        assert par.tokens == single.tokens, seed
+        assert par.stats.steps == single.stats.steps
+        # the rejection path ran: some steps accepted candidate tokens, some none
+        hist = par.stats.extra["accepted_hist"]
+        assert hist[0] > 0 and sum(hist[1:]) > 0, hist
+
+
+# -------------------------------------------------------------- what the devices exchange ---
+COLLECTIVE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-gather|all-reduce|collective-permute|"
+                        r"all-to-all|reduce-scatter|collective-broadcast)(-start)?\(")
+ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+INTEGER = ("s32", "u32", "s16", "u16", "s8", "u8", "pred")
+
+
+def collectives(hlo: str) -> list[tuple[str, str, int]]:
+    """(op, dtype, elements) of every array a collective produces in an HLO module's text."""
+    found = []
+    for line in hlo.splitlines():
+        m = COLLECTIVE.search(line)
+        if m:
+            for dtype, dims in ARRAY.findall(m.group(1)):
+                found.append((m.group(2), dtype, int(np.prod([int(x) for x in dims.split(",") if x]))))
+    return found
+
+
+def compiled_run_hlo(method) -> str:
+    engine = Engine(make_model(), eos_ids=())  # its own: exactly one compiled run
+    engine.generate_ids(PROMPTS[:2], method=method, max_new_tokens=4)
+    (runs,) = [c for k, c in engine._compiled.items() if k[0] == "run" and k[1][0] == method]
+    return runs.as_text()
+
+
+@needs8
+@pytest.mark.parametrize("W,N,G,D,sampling", [
+    (15, 5, 15, 8, Sampling()), (5, 4, 3, 3, Sampling(temperature=1.0))])
+def test_collectives_move_only_token_ids(engine, W, N, G, D, sampling):
+    cfg = LookaheadConfig(W=W, N=N, G=G)
+    method = resolve_method("lookahead", sampling, cfg, devices=D)
+    found = collectives(compiled_run_hlo(method))
+    assert found, "no collective found: the steps must exchange token ids"
+    assert all(dtype in INTEGER for _, dtype, _ in found), found
+    b = len(PROMPTS[:2])
+    ints = sum(n for _, _, n in found)
+    w_d, g_d = -(-W // D), -(-G // D)
+    # the all-gather of argmax ids, plus 2 ints per row and candidate position when sampling
+    expect = D * b * (1 + w_d + g_d * (N - 1)) + (0 if sampling.greedy else 2 * b * N)
+    assert ints <= expect <= 2 * b * ((W + G) * N + D), (found, expect)
+    # for scale: the accepted tokens' K/V alone would be this many floats
+    cfgm = engine.config
+    kv_floats = 2 * cfgm.num_layers * b * (N - 1) * cfgm.num_kv_heads * cfgm.head_dim
+    assert ints < kv_floats
+
+
+@needs8
+def test_the_inspection_catches_activations():
+    """Control: a shard_map that all-reduces float activations is flagged."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:DEVICES]), ("x",))
+    spec = jax.sharding.PartitionSpec("x")
+
+    def f(x):
+        return jax.shard_map(lambda a: jax.lax.psum(jnp.tanh(a), "x"), mesh=mesh,
+                             in_specs=spec, out_specs=jax.sharding.PartitionSpec())(x)
+
+    hlo = jax.jit(f).lower(jnp.ones((DEVICES * 4, 16))).compile().as_text()
+    found = collectives(hlo)
+    assert found and any(dtype == "f32" for _, dtype, _ in found), found
+
+
+# --------------------------------------------------------------------------------- CLI ---
+def _cli(**kw):
+    import io  # noqa: PLC0415
+    from lookahead_jax.decode import Options, run  # noqa: PLC0415
+    out, err = io.StringIO(), io.StringIO()
+    code = run(Options(config="tiny_llama", prompt_ids="1,2,3,4,5", max_new_tokens=12, **kw),
+               stdout=out, stderr=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+@needs8
+def test_cli_devices_flag():
+    code1, out1, _ = _cli(devices=1)
+    code3, out3, err3 = _cli(devices=3)
+    assert code1 == code3 == 0, err3
+    assert out1 == out3
+
+
+def test_devices_errors():
+    too_many = len(jax.devices()) + 1
+    with pytest.raises(ConfigError, match="devices asked for"):
+        resolve_method("lookahead", Sampling(), LookaheadConfig(), devices=too_many)
+    with pytest.raises(ConfigError, match="dense attention only"):
+        resolve_method("lookahead", Sampling(), LookaheadConfig(), attention="pallas",
+                       devices=2)
+    for kw, msg in ((dict(devices=0), "--devices must be >= 1"),
+                    (dict(devices=2, method="ar"), "--devices only applies"),
+                    (dict(devices=too_many), "devices asked for")):
+        code, _, err = _cli(**kw)
+        assert code == 2 and msg in err and "Traceback" not in err, err
