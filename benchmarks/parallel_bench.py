@@ -44,6 +44,7 @@ def main(argv):
     import jax  # noqa: PLC0415
     from lookahead_jax.engine import resolve_method  # noqa: PLC0415
     from lookahead_jax.layout import ShardedLayout  # noqa: PLC0415
+    from lookahead_jax.parallel import ParallelLookahead  # noqa: PLC0415
     from lookahead_jax.presets import load_engine  # noqa: PLC0415
     from lookahead_jax.sampling import Sampling  # noqa: PLC0415
 
@@ -58,7 +59,7 @@ def main(argv):
         methods.append((f"{name} single device", cfg, resolve_method("lookahead", Sampling(), cfg)))
         for d in counts:
             methods.append((f"{name} {d} device{'s' * (d > 1)}", cfg,
-                            resolve_method("lookahead", Sampling(), cfg, devices=d)))
+                            ParallelLookahead(cfg, devices=d)))
     report = {"machine": common.machine_info(), "devices_present": len(jax.local_devices()),
               "config": FLAGS.config, "dataset": FLAGS.dataset,
               "max_new_tokens": FLAGS.max_new_tokens, "runs": []}
@@ -71,8 +72,8 @@ def main(argv):
             st = res.stats
             d = getattr(method, "devices", 1)
             per_device = (1 if cfg is None else
-                          cfg.step_tokens if not hasattr(method, "devices") else
-                          ShardedLayout(cfg.W, cfg.N, cfg.G, d).size + cfg.N - 1)
+                          ShardedLayout(cfg.W, cfg.N, cfg.G, d).size + cfg.N - 1
+                          if isinstance(method, ParallelLookahead) else cfg.step_tokens)
             report["runs"].append({
                 "prompt": i, "method": name, "devices": d, "tokens": st.total_tokens,
                 "steps": st.steps, "decode_s": st.decode_s, "prefill_s": st.prefill_s,
