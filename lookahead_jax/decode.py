@@ -34,6 +34,7 @@ from models.config import ConfigError
 EXIT_ERROR = 2
 DEFAULT_CONFIG = "smollm2_135m"
 JSONL_FIELDS = ("prompt", "turns", "question")
+LOOPED_METHODS = ("loopspec", "loopahead")  # decoding methods for looped models only
 
 def define_flags() -> None:
     """Registers the CLI's absl flags (once). Importing this module registers none, so tests
@@ -57,8 +58,11 @@ def define_flags() -> None:
     f.DEFINE_integer("seed", 0, "PRNG seed (sampling and the window's first guesses).")
     f.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Parameter dtype (default: the "
                   "preset's).")
-    f.DEFINE_enum("method", None, ["lookahead", "ar"], "Decoding method (default: lookahead "
-                  "when the preset defines lookahead settings, else ar).")
+    f.DEFINE_enum("method", None, ["lookahead", "ar", "loopspec", "loopahead"], "Decoding "
+                  "method (default: lookahead when the preset defines lookahead settings, else "
+                  "ar; loopspec and loopahead: looped-model presets only).")
+    f.DEFINE_string("lad", None, "--method=loopahead: a train_lad workdir with the lookahead "
+                    "drafter (default: native proposals only).")
     f.DEFINE_integer("W", None, "Lookahead window width (overrides the preset).")
     f.DEFINE_integer("N", None, "Lookahead n-gram size (overrides the preset).")
     f.DEFINE_integer("G", None, "Lookahead verification candidates (overrides the preset).")
@@ -102,6 +106,7 @@ class Options:
     devices: int | None = None
     chat: bool | None = None
     json_out: str | None = None
+    lad: str | None = None
 
 
 def options_from_flags() -> Options:
@@ -186,7 +191,12 @@ def resolve_settings(opts: Options, preset):
     method = opts.method or ("lookahead" if preset.lookahead is not None or overrides else "ar")
     if opts.devices is not None and opts.devices < 1:
         raise ConfigError(f"--devices must be >= 1, got {opts.devices}")
-    if method == "ar":
+    if method in LOOPED_METHODS:
+        from models.looped import LoopedConfig  # noqa: PLC0415
+        if not isinstance(preset.model, LoopedConfig):
+            raise ConfigError(f"--method={method} needs a looped model: preset {preset.name} "
+                              f"is not one (use a looped preset, e.g. --config=tiny_ouro)")
+    if method in ("ar", *LOOPED_METHODS):
         if overrides:
             raise ConfigError(f"--{'/--'.join(overrides)} only apply to --method=lookahead")
         if opts.attention == "pallas":
@@ -241,6 +251,7 @@ def _run(opts: Options, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
         raise ConfigError(f"give one of --prompt, --prompt_file, --prompt_ids, not "
                           f"{' and '.join(sources)}")
     method, sampling, lookahead, devices = resolve_settings(opts, preset)
+    method_name = method
     resolve_dtype(opts.dtype, preset)
     chat = preset.chat if opts.chat is None else opts.chat
     if opts.json_out:  # fail before the (slow) generation, not after it
@@ -264,6 +275,12 @@ def _run(opts: Options, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
         raise ConfigError(
             f"preset {preset.name} with {source} has no tokenizer: give token ids with "
             f"--prompt_ids=1,2,3, or --ckpt with a tokenizer")
+    if opts.lad and method != "loopahead":
+        raise ConfigError("--lad only applies to --method=loopahead")
+    if method == "loopahead":
+        from lookahead_jax.loopahead import LadDrafter, LoopAhead  # noqa: PLC0415
+        method = LoopAhead(sampling, drafter=LadDrafter.load(opts.lad, model.config)
+                           if opts.lad else None)
     gen_kw = dict(method=method, max_new_tokens=opts.max_new_tokens, sampling=sampling,
                   lookahead=lookahead, seed=opts.seed)
     records = []
@@ -308,7 +325,7 @@ def _run(opts: Options, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
 
     if opts.json_out:
         _write_json(opts.json_out, {
-            "config": preset.name, "checkpoint": source, "method": method,
+            "config": preset.name, "checkpoint": source, "method": method_name,
             "dtype": opts.dtype or preset.dtype, "chat": chat, "seed": opts.seed,
             "max_new_tokens": opts.max_new_tokens, "sampling": dataclasses.asdict(sampling),
             "lookahead": dataclasses.asdict(lookahead) if lookahead else None,

@@ -149,7 +149,14 @@ def resolve_method(method: str | Method | None, sampling: Sampling,
     if method == "lookahead":
         from lookahead_jax.step import Lookahead  # noqa: PLC0415 (keeps plain decoding light)
         return Lookahead(lookahead or LookaheadConfig(), sampling, attention=attention)
-    raise ConfigError(f"unknown method {method!r}: expected 'ar' or 'lookahead'")
+    if method == "loopspec":  # looped models only (checked at init, and by the CLI)
+        from lookahead_jax.loopspec import LoopSpec  # noqa: PLC0415
+        return LoopSpec(sampling)
+    if method == "loopahead":  # native proposals only; a drafter: pass a LoopAhead instance
+        from lookahead_jax.loopahead import LoopAhead  # noqa: PLC0415
+        return LoopAhead(sampling)
+    raise ConfigError(f"unknown method {method!r}: expected 'ar', 'lookahead', 'loopspec' or "
+                      f"'loopahead'")
 
 
 class Engine:
@@ -219,7 +226,10 @@ class Engine:
             step.check_fits(s, self.config.max_position_embeddings)
         cache = self._init_cache(len(prompts), s, self.dtype)
         key = jax.random.key(seed)
-        init_args = (self.params, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
+        # a method with parameters of its own (LoopAhead's drafter) bundles them with the model's
+        params = method.bundle_params(self.params) if hasattr(method, "bundle_params") else \
+            self.params
+        init_args = (params, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
         init_c, compile_s = self._compile(
             "init", (method, self.graphdef, max_new_tokens, self.eos_ids, vocab), init_args)
         t0 = time.perf_counter()
@@ -229,7 +239,7 @@ class Engine:
         chunk = chunk_steps or (8 if on_tokens else max_new_tokens + 2 * 64)
         max_steps = jnp.asarray(chunk, jnp.int32)
         run_c, c2 = self._compile("run", (method, self.graphdef, self.eos_ids),
-                                  (self.params, state, max_steps))
+                                  (params, state, max_steps))
         compile_s += c2
         sent = [0] * len(prompts)
         decode_s = 0.0
@@ -247,7 +257,7 @@ class Engine:
         flush(state)
         while not bool(np.asarray(state.out.done).all()):
             t0 = time.perf_counter()
-            state = jax.block_until_ready(run_c(self.params, state, max_steps))
+            state = jax.block_until_ready(run_c(params, state, max_steps))
             decode_s += time.perf_counter() - t0
             flush(state)
         counts = np.asarray(state.out.count)

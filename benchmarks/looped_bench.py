@@ -1,0 +1,117 @@
+"""Looped-model decoding: plain full depth vs LoopSpec vs LoopAhead (and ablations), prompt by
+prompt on GSM8K / HumanEval / MT-Bench, greedy.
+
+    python -m benchmarks.looped_bench --config=tiny_ouro --lad=<train_lad workdir> \\
+        --num_prompts=5 --max_new_tokens=64
+
+Per method and data set: shared-block calls (loops) per output token, candidate advances per
+output token (plain: R of each), tokens/s (prefill + decode, compile excluded, after one
+warm-up prompt), speed-up over plain decoding, and whether every output equals plain greedy.
+The first token of each prompt (from the prefill) is not counted. Methods:
+`loopspec` (d1 = 1), `loopspec_d2` (the dual proposal at 2), `loopahead` (r1 from the drafter's
+config, r2 = 2 r1; with --lad), `loopahead_nodrafter` (native proposals only),
+`loopahead_nosched` (feedback scheduling off). Prints a Markdown table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags
+
+from benchmarks.common import encoded_prompts, machine_info, markdown_table, write_json
+
+FLAGS = flags.FLAGS
+SETS = ("gsm8k", "humaneval", "mt_bench")
+
+
+def define_flags() -> None:
+    if "num_prompts" in FLAGS:
+        return
+    flags.DEFINE_string("config", "tiny_ouro", "Looped preset.")
+    flags.DEFINE_string("ckpt", None, "Checkpoint (default: checkpoints/<config>).")
+    flags.DEFINE_string("lad", None, "train_lad workdir with the drafter (LoopAhead rows).")
+    flags.DEFINE_integer("num_prompts", 5, "Prompts per data set.")
+    flags.DEFINE_integer("max_new_tokens", 64, "New tokens per prompt.")
+    flags.DEFINE_string("data_dir", None, "Prompt sets (default ../shared/data).")
+    flags.DEFINE_string("out", None, "JSON output (default benchmarks/results/looped_<config>"
+                        ".json).")
+
+
+def methods(r_full: int, lad: str | None, model_config) -> dict:
+    from lookahead_jax.loopahead import LadDrafter, LoopAhead  # noqa: PLC0415
+    from lookahead_jax.loopspec import LoopSpec  # noqa: PLC0415
+    out = {"ar": "ar", "loopspec": LoopSpec(d1=1)}
+    if r_full > 2:
+        out["loopspec_d2"] = LoopSpec(d1=1, d2=2)
+    r1 = 1
+    drafter = None
+    if lad:
+        with open(os.path.join(lad, "lad_config.json")) as f:
+            r1 = json.load(f)["draft_depth"]
+        drafter = LadDrafter.load(lad, model_config)
+    r2 = 2 * r1 if 2 * r1 < r_full else 0
+    if drafter is not None:
+        out["loopahead"] = LoopAhead(r1=r1, r2=r2, drafter=drafter)
+        out["loopahead_nosched"] = LoopAhead(r1=r1, r2=r2, drafter=drafter, scheduling=False)
+    out["loopahead_nodrafter"] = LoopAhead(r1=r1, r2=r2)
+    return out
+
+
+def measure(engine, method, prompts: list[list[int]], new: int, r_full: int) -> dict:
+    engine.generate_ids(prompts[:1], method=method, max_new_tokens=new)  # compile + warm up
+    loops = adv = verified = tokens = 0
+    seconds = 0.0
+    outputs = []
+    for p in prompts:
+        r = engine.generate_ids([p], method=method, max_new_tokens=new)
+        seconds += r.stats.prefill_s + r.stats.decode_s
+        tokens += r.stats.total_tokens
+        outputs.append(r.tokens[0])
+        n = len(r.tokens[0]) - 1
+        if method == "ar":
+            loops, adv, verified = loops + r_full * n, adv + r_full * n, verified + n
+        else:
+            e = r.stats.extra
+            loops, adv, verified = loops + e["loops"], adv + e["advances"], \
+                verified + e["verified_tokens"]
+    return {"loops_per_token": loops / max(verified, 1),
+            "advances_per_token": adv / max(verified, 1),
+            "tokens_per_s": tokens / seconds if seconds else float("nan"), "outputs": outputs}
+
+
+def main(argv) -> int:
+    from lookahead_jax.engine import Engine  # noqa: PLC0415
+    ckpt = FLAGS.ckpt or os.path.join("checkpoints", FLAGS.config)
+    engine = Engine.from_preset(FLAGS.config, ckpt=ckpt)
+    r_full = engine.config.num_loops
+    table = methods(r_full, FLAGS.lad, engine.config)
+    results, rows = {}, []
+    for name in SETS:
+        prompts = encoded_prompts(engine, name, FLAGS.num_prompts, FLAGS.data_dir)
+        base = None
+        for label, method in table.items():
+            m = measure(engine, method, prompts, FLAGS.max_new_tokens, r_full)
+            if label == "ar":
+                base = m
+            m["exact"] = m["outputs"] == base["outputs"]
+            m["speedup"] = m["tokens_per_s"] / base["tokens_per_s"]
+            results.setdefault(name, {})[label] = m
+            rows.append([name, label, m["loops_per_token"], m["advances_per_token"],
+                         m["tokens_per_s"], f"{m['speedup']:.2f}x", m["exact"]])
+            print(f"{name} {label}: {({k: v for k, v in m.items() if k != 'outputs'})}",
+                  file=sys.stderr, flush=True)
+    print(markdown_table(["data set", "method", "loops/token", "advances/token", "tokens/s",
+                          "speed-up", "= plain"], rows))
+    out = FLAGS.out or os.path.join("benchmarks", "results", f"looped_{FLAGS.config}.json")
+    write_json(out, {"config": FLAGS.config, "checkpoint": ckpt, "lad": FLAGS.lad,
+                     "num_prompts": FLAGS.num_prompts, "max_new_tokens": FLAGS.max_new_tokens,
+                     "num_loops": r_full, "machine": machine_info(), "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

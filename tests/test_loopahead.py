@@ -1,0 +1,123 @@
+"""LoopAhead (greedy) on tiny random looped models (Ouro, Raven): output equals plain
+full-depth greedy token for token with native proposals only, with feedback scheduling on and
+off, with a budget, with a real (untrained) lookahead drafter, with an oracle drafter that
+knows the answer (then whole chains commit in one step and loops per token fall far below
+LoopSpec's) and with a drafter that is always wrong."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lookahead_jax.engine import Engine
+from lookahead_jax.loopahead import LadDrafter, LoopAhead
+from lookahead_jax.loopspec import LoopSpec
+from models.looped import LoopedLM
+from test_looped import CONFIGS, _perturb_norms  # noqa: E402
+from test_loopspec import FACTOR, PROMPTS, agreeable  # noqa: E402
+from train_lad.model import DrafterShape, LookaheadDrafter
+
+NEW = 24
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def engine(request) -> Engine:
+    fam = request.param
+    model = agreeable(_perturb_norms(LoopedLM(CONFIGS[fam], rngs=nnx.Rngs(3))), FACTOR[fam])
+    return Engine(model, eos_ids=())
+
+
+@pytest.fixture(scope="module")
+def plain(engine):
+    return engine.generate_ids(PROMPTS, method="ar", max_new_tokens=NEW).tokens
+
+
+class TableDrafter:
+    """Drafts from a fixed table of tokens per row: position p gets table[b, p + 2 + k]."""
+
+    def __init__(self, table: np.ndarray, K: int):
+        self.params = {"table": jnp.asarray(table, jnp.int32)}
+        self.K = K
+
+    def draft(self, params, states, anchors, positions, mask):
+        t = params["table"]
+        idx = positions[:, -1:] + 2 + jnp.arange(self.K)[None]
+        return jnp.take_along_axis(t, jnp.clip(idx, 0, t.shape[1] - 1), axis=1)
+
+
+def oracle(plain) -> TableDrafter:
+    width = max(len(p) for p in PROMPTS) + NEW + 8
+    table = np.zeros((len(PROMPTS), width), np.int32)
+    for i, (p, out) in enumerate(zip(PROMPTS, plain)):
+        table[i, : len(p) + len(out)] = p + out
+    return TableDrafter(table, K=3)
+
+
+def run(engine, method):
+    res = engine.generate_ids(PROMPTS, method=method, max_new_tokens=NEW)
+    print(f"\n{engine.config.family} {method.__class__.__name__}: {res.stats.extra}")
+    return res
+
+
+@pytest.mark.parametrize("kw", [dict(r2=0), dict(r2=2), dict(r2=2, scheduling=False),
+                                dict(r2=2, max_active=2)],
+                         ids=["r1", "feedback", "no_scheduling", "budget2"])
+def test_native_only_equals_plain(engine, plain, kw):
+    res = run(engine, LoopAhead(r1=1, **kw))
+    assert res.tokens == plain
+    assert res.stats.extra["loops_per_token"] < engine.config.num_loops
+
+
+def test_untrained_drafter_equals_plain(engine, plain):
+    cfg = engine.config
+    net = LookaheadDrafter(DrafterShape(cfg.hidden_size, cfg.vocab_size, 32, 1, 2, 3, 50),
+                           rngs=nnx.Rngs(0))
+    drafter = LadDrafter(net, np.arange(0, 97, 2)[:50])
+    res = run(engine, LoopAhead(r1=1, r2=2, drafter=drafter, window=8))
+    assert res.tokens == plain
+
+
+def test_oracle_drafter_commits_chains(engine, plain):
+    spec = run(engine, LoopSpec(d1=1))
+    res = run(engine, LoopAhead(r1=1, r2=2, drafter=oracle(plain), window=8))
+    assert res.tokens == plain
+    st = res.stats.extra
+    assert st["loops_per_token"] < 0.7 * spec.stats.extra["loops_per_token"]
+
+
+def test_wrong_drafter_equals_plain(engine, plain):
+    wrong = TableDrafter((np.arange(64)[None] * 7 + np.arange(3)[:, None]) % 97, K=3)
+    res = run(engine, LoopAhead(r1=1, r2=2, drafter=wrong, window=8))
+    assert res.tokens == plain
+
+
+def test_cli_with_a_trained_drafter(tmp_path):
+    """train_lad for the tiny_ouro preset (random weights, a few steps), then
+    `--method=loopahead --lad=<workdir>` emits plain decoding's tokens; the same drafter is
+    refused for a model of another shape."""
+    import dataclasses  # noqa: PLC0415
+    import json  # noqa: PLC0415
+
+    from test_cli import assert_error, run_inproc  # noqa: PLC0415
+    from train_lad import config as lad_config  # noqa: PLC0415
+    from train_lad.main import run as train_lad_run  # noqa: PLC0415
+    cfg = dataclasses.replace(
+        lad_config.get("tiny_ouro"), model_ckpt="random", hidden_size=32, num_layers=1,
+        num_heads=2, draft_vocab=128, prompt_len=8, continuation=8, num_train=16, num_dev=4,
+        num_confirm=4, prompt_source="random", batch_size=8, steps=2, eval_every=2)
+    lad = tmp_path / "lad"
+    train_lad_run(cfg, lad, progress_bar=False, log=lambda m: None)
+    outs = {}
+    for method, extra in (("ar", {}), ("loopahead", {"lad": str(lad)})):
+        path = tmp_path / f"{method}.json"
+        res = run_inproc(config="tiny_ouro", prompt_ids="5,6,7,8,9", method=method,
+                         max_new_tokens=8, json_out=str(path), **extra)
+        assert res.returncode == 0, res.stderr
+        with open(path) as f:
+            outs[method] = json.load(f)["results"][0]
+    assert outs["loopahead"]["tokens"] == outs["ar"]["tokens"]
+    assert outs["loopahead"]["stats"]["extra"]["K"] == 3
+    assert_error(run_inproc(config="tiny_raven", prompt_ids="1,2", method="loopahead",
+                            lad=str(lad)), "does not match", "family")

@@ -1,0 +1,99 @@
+"""Settings of a lookahead-drafter (LAD) training run, one named config per frozen looped model.
+
+    python -m train_lad.main --config=tiny_ouro
+
+`LadConfig` names the frozen looped model (a preset of `configs/`, optionally another
+checkpoint) and the shape it must have (family, hidden size, vocabulary, loops): a checkpoint
+of another shape is refused with an error naming the field (`check_base_model`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from models.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class LadConfig:
+    """One LAD run. Drafter: `num_layers` causal blocks of width `hidden_size` over the frozen
+    model's states at loop `draft_depth` plus the anchor token; K tokens after the anchor over
+    a draft vocabulary of `draft_vocab` tokens. Data: `prompt_len`-token prompts, each with the
+    model's own full-depth greedy continuation of `continuation` tokens; `num_train` /
+    `num_dev` / `num_confirm` prompts per split."""
+
+    name: str
+    model_preset: str  # the frozen looped model: a preset in configs/
+    model_family: str  # the shape that model must have
+    model_hidden: int
+    model_vocab: int
+    model_loops: int
+    model_ckpt: str | None = None  # None: the preset's checkpoint
+    draft_depth: int = 1  # R1: the early loop whose states and readout feed the drafter
+    K: int = 3
+    hidden_size: int = 512
+    num_layers: int = 2
+    num_heads: int = 8
+    draft_vocab: int = 1024
+    prompt_len: int = 48
+    continuation: int = 32
+    num_train: int = 512
+    num_dev: int = 64
+    num_confirm: int = 64
+    prompt_source: str = "corpus"  # "corpus" (train_looped's text) | "random" (token ids)
+    batch_size: int = 16
+    steps: int = 300
+    lr: float = 1e-3
+    warmup: int = 20
+    eval_every: int = 50
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 1 <= self.draft_depth < self.model_loops:
+            raise ConfigError(f"lad config {self.name}: draft_depth must be in [1, "
+                              f"{self.model_loops}), got {self.draft_depth}")
+        for f in ("K", "hidden_size", "num_layers", "num_heads", "draft_vocab", "prompt_len",
+                  "continuation", "num_train", "num_dev", "batch_size", "steps", "eval_every"):
+            if getattr(self, f) <= 0:
+                raise ConfigError(f"lad config {self.name}: {f} must be positive")
+        if self.continuation <= self.K + 1:
+            raise ConfigError(f"lad config {self.name}: continuation must exceed K + 1")
+        if self.prompt_source not in ("corpus", "random"):
+            raise ConfigError(f"lad config {self.name}: prompt_source must be corpus or random")
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.continuation
+
+
+# The tiny models are 256 wide: their drafters are too (the paper's 2 x 512 drafter is for
+# 1.4B+ models; the LadConfig defaults).
+_TINY = dict(model_hidden=256, model_vocab=4096, hidden_size=256, num_heads=4, steps=200)
+CONFIGS = {
+    "tiny_ouro": LadConfig(name="tiny_ouro", model_preset="tiny_ouro",
+                           model_ckpt="checkpoints/tiny_ouro", model_family="ouro",
+                           model_loops=4, draft_depth=1, **_TINY),
+    "tiny_raven": LadConfig(name="tiny_raven", model_preset="tiny_raven",
+                            model_ckpt="checkpoints/tiny_raven", model_family="raven",
+                            model_loops=8, draft_depth=2, **_TINY),
+}
+
+
+def get(name: str) -> LadConfig:
+    if name not in CONFIGS:
+        raise ConfigError(f"unknown lad config {name!r}: available {', '.join(sorted(CONFIGS))}")
+    return CONFIGS[name]
+
+
+def check_base_model(cfg: LadConfig, model_cfg, source: str) -> None:
+    """Raises ConfigError naming the first field where the looped model differs from what the
+    drafter's config expects."""
+    if not hasattr(model_cfg, "num_loops"):
+        raise ConfigError(f"lad config {cfg.name}: {source} is not a looped model")
+    for want, field in ((cfg.model_family, "family"), (cfg.model_hidden, "hidden_size"),
+                        (cfg.model_vocab, "vocab_size"), (cfg.model_loops, "num_loops")):
+        got = getattr(model_cfg, field)
+        if got != want:
+            raise ConfigError(
+                f"looped model {source} does not match lad config {cfg.name}: {field} is {got} "
+                f"in the checkpoint, {want} in the drafter's config")

@@ -1,0 +1,163 @@
+"""Train a lookahead drafter (LAD) for a frozen looped model:
+
+    python -m train_lad.main --config=tiny_ouro [--workdir=...] [--steps=...] [--ckpt=...]
+
+Steps: load the looped model named by the config (refused, with the field named, when its
+shape differs from the config's), build the data once (`train_lad.data`: prompts, the model's
+full-depth greedy continuations, early-loop states; cached in the workdir as `data.npz`), pick
+the draft vocabulary, then train (`train_lad.train`) with a progress bar, `metrics.jsonl` and
+Orbax checkpoints. Running the same command again resumes from the last checkpoint. Output in
+the workdir: `best/` (the drafter chosen on the development split), `draft_vocab.npy`,
+`lad_config.json`, `summary.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import sys
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+from flax import nnx
+
+from lookahead_jax.model_store import default_cache_dir
+from models.config import ConfigError
+from train_lad import config as lad_config
+from train_lad import data as lad_data
+from train_lad.train import check_workdir, train
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    if "config" in FLAGS:
+        return
+    flags.DEFINE_string("config", "tiny_ouro", "LAD config name (train_lad.config.CONFIGS).")
+    flags.DEFINE_string("workdir", None, "Checkpoints, data and logs (default "
+                        "$LOOKAHEAD_JAX_CACHE/train_lad/<config>).")
+    flags.DEFINE_string("ckpt", None, "Looped-model checkpoint overriding the config's.")
+    flags.DEFINE_integer("steps", None, "Optimizer steps (overrides the config).")
+
+
+def base_fingerprint(model) -> dict:
+    """The frozen model's identity: its config fields and a digest of its parameters."""
+    cfg = model.config
+    h = hashlib.sha256()
+    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)),
+                             key=lambda kv: jax.tree_util.keystr(kv[0])):
+        h.update(jax.tree_util.keystr(path).encode())
+        h.update(np.asarray(leaf, np.float32).tobytes())
+    fields = {f: getattr(cfg, f) for f in ("family", "hidden_size", "vocab_size", "num_loops")}
+    return {**fields, "params_sha256": h.hexdigest()[:16]}
+
+
+def load_base_model(cfg: lad_config.LadConfig, ckpt: str | None = None):
+    from lookahead_jax.presets import load_model_and_tokenizer, load_preset  # noqa: PLC0415
+    preset = load_preset(cfg.model_preset)
+    source = ckpt or cfg.model_ckpt
+    if source is not None and source != "random" and not os.path.exists(source):
+        raise ConfigError(f"looped-model checkpoint {source} does not exist (train it with "
+                          f"train_looped, or pass --ckpt)")
+    if source is not None and os.path.isdir(source):
+        from models.looped_loader import load_looped_config  # noqa: PLC0415
+        lad_config.check_base_model(cfg, load_looped_config(source), source)
+    model, tokenizer, where = load_model_and_tokenizer(preset, source, "float32")
+    lad_config.check_base_model(cfg, model.config, where)
+    return model, tokenizer
+
+
+def build_data(cfg: lad_config.LadConfig, model, tokenizer, workdir: pathlib.Path,
+               fingerprint: dict, log=print) -> tuple[dict, np.ndarray]:
+    """(split -> arrays, draft vocabulary), from `data.npz` when it was made by this model."""
+    path = workdir / "data.npz"
+    if path.exists():
+        z = np.load(path, allow_pickle=False)
+        if json.loads(str(z["fingerprint"])) == fingerprint:
+            data = {s: {k: z[f"{s}_{k}"] for k in ("tokens", "states", "native")}
+                    for s in lad_data.SPLITS}
+            return data, z["draft_vocab"]
+        log(f"{path}: made by another model; rebuilding")
+    counts = {"train": cfg.num_train, "dev": cfg.num_dev, "confirm": cfg.num_confirm}
+    if cfg.prompt_source == "random" or tokenizer is None:
+        prompts = lad_data.random_prompts(cfg.model_vocab, cfg.prompt_len, counts, cfg.seed)
+    else:
+        from train_looped.corpus import corpus_dir, read_split  # noqa: PLC0415
+        docs = read_split(corpus_dir() / "train.jsonl")
+        repo = pathlib.Path(__file__).resolve().parent.parent
+        filt = lad_data.EvalFilter(lad_data.eval_prompts(repo.parent / "shared" / "data"))
+        prompts = lad_data.corpus_prompts(tokenizer, docs, cfg.prompt_len, counts, filt)
+    data = {}
+    for s in lad_data.SPLITS:
+        log(f"teacher data: {s} ({len(prompts[s])} prompts)")
+        if prompts[s]:
+            data[s] = lad_data.teacher_data(model, prompts[s], continuation=cfg.continuation,
+                                            draft_depth=cfg.draft_depth)
+        else:
+            t, e = cfg.seq_len, cfg.model_hidden
+            data[s] = {"tokens": np.zeros((0, t), np.int32),
+                       "states": np.zeros((0, t, e), np.float16),
+                       "native": np.zeros((0, t), np.int32)}
+    vocab = lad_data.draft_vocabulary(data["train"]["tokens"], cfg.prompt_len, cfg.draft_vocab,
+                                      cfg.model_vocab, model.config.eos_token_ids)
+    np.savez(path, fingerprint=json.dumps(fingerprint), draft_vocab=vocab,
+             **{f"{s}_{k}": v for s, d in data.items() for k, v in d.items()})
+    return data, vocab
+
+
+def run(cfg: lad_config.LadConfig, workdir, *, ckpt: str | None = None, log=print,
+        progress_bar: bool = True, model=None, tokenizer=None,
+        max_steps_now: int | None = None) -> dict:
+    """The whole job (see the module docstring). model: an already loaded looped model to
+    use instead of the config's (checked against the config the same way)."""
+    workdir = pathlib.Path(workdir)
+    if model is None:
+        model, tokenizer = load_base_model(cfg, ckpt)
+    lad_config.check_base_model(cfg, model.config, "the given model")
+    workdir.mkdir(parents=True, exist_ok=True)
+    fingerprint = base_fingerprint(model)
+    check_workdir(workdir, fingerprint)  # before the data are rebuilt for another model
+    data, vocab = build_data(cfg, model, tokenizer, workdir, fingerprint, log)
+    np.save(workdir / "draft_vocab.npy", vocab)
+    (workdir / "lad_config.json").write_text(json.dumps(
+        {**dataclasses.asdict(cfg), "base": fingerprint}, indent=1) + "\n")
+    summary = train(cfg, data, vocab, workdir, base_fingerprint=fingerprint, log=log,
+                    progress_bar=progress_bar, max_steps_now=max_steps_now)
+    log(json.dumps(summary))
+    return summary
+
+
+def main(argv) -> int:
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {' '.join(argv[1:])!r}", file=sys.stderr)
+        return 2
+    try:
+        cfg = lad_config.get(FLAGS.config)
+        if FLAGS.steps is not None:
+            cfg = dataclasses.replace(cfg, steps=FLAGS.steps)
+        workdir = FLAGS.workdir or os.path.join(default_cache_dir(), "train_lad", cfg.name)
+        run(cfg, workdir, ckpt=FLAGS.ckpt, log=lambda m: print(m, file=sys.stderr))
+    except ConfigError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def parse_flags(argv):
+    rest = FLAGS(list(argv))
+    if FLAGS["verbosity"].using_default_value:  # Orbax logs every save at INFO
+        FLAGS.verbosity = logging.WARNING
+    return rest
+
+
+def cli() -> None:
+    define_flags()
+    app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    cli()
