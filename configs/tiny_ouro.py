@@ -1,9 +1,10 @@
 """A tiny Ouro-style looped model (2 shared sandwich-norm layers x 4 loops, width 256, 4 heads,
-vocab 4096, tied embeddings, exit gate): the shape `train_looped` trains as `tiny_ouro`. Its
-checkpoint is "random" (weights from nnx.Rngs(0), no tokenizer: `--prompt_ids=1,2,3`) until
-the trained weights (checkpoints/tiny_ouro) are added; --ckpt loads a directory of this shape."""
+vocab 4096, tied embeddings, exit gate), trained here by `train_looped` on offline text
+(checkpoints/README.md has the recipe and its held-out figures). Weights and the BPE tokenizer:
+checkpoints/tiny_ouro; prompts go through its chat template. --ckpt loads another directory
+of this shape; --ckpt=random gives random weights (generate with --prompt_ids)."""
 
-from lookahead_jax.presets import Preset
+from lookahead_jax.presets import Preset, shipped_checkpoint
 from models.looped import LoopedConfig
 
 
@@ -17,7 +18,7 @@ def get_config() -> Preset:
             tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=0,
             eos_token_ids=(1,)),
         lookahead=None,
-        checkpoint="random",
-        chat=False,
+        checkpoint=shipped_checkpoint("tiny_ouro"),
+        chat=True,
         dtype="float32",
     )

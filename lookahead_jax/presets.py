@@ -11,6 +11,8 @@ Checkpoint sources (`Preset.checkpoint`, overridden by `ckpt=`):
              tests and smoke runs only (generate with token ids)
   a path     a `.gguf` file (GGUF loader) or a Hugging Face directory with config.json and
              *.safetensors (HF loader); the tokenizer is read from the same place
+             (`shipped_checkpoint(name)`: a directory under the repository's checkpoints/, e.g.
+             the tiny looped models trained here)
   None       the preset ships no weights: the caller must pass `ckpt`
 """
 
@@ -68,6 +70,12 @@ class Preset:
                               f"got {self.dtype!r}")
         if self.checkpoint == RANDOM and self.model is None:
             raise ConfigError(f"preset {self.name}: checkpoint 'random' needs a model config")
+
+
+def shipped_checkpoint(name: str) -> str:
+    """The path of `checkpoints/<name>`, a small checkpoint shipped in this repository."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(root, "checkpoints", name)
 
 
 def _configs_dir() -> str:

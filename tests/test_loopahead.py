@@ -112,12 +112,12 @@ def test_cli_with_a_trained_drafter(tmp_path):
     outs = {}
     for method, extra in (("ar", {}), ("loopahead", {"lad": str(lad)})):
         path = tmp_path / f"{method}.json"
-        res = run_inproc(config="tiny_ouro", prompt_ids="5,6,7,8,9", method=method,
-                         max_new_tokens=8, json_out=str(path), **extra)
+        res = run_inproc(config="tiny_ouro", ckpt="random", prompt_ids="5,6,7,8,9",
+                         method=method, max_new_tokens=8, json_out=str(path), **extra)
         assert res.returncode == 0, res.stderr
         with open(path) as f:
             outs[method] = json.load(f)["results"][0]
     assert outs["loopahead"]["tokens"] == outs["ar"]["tokens"]
     assert outs["loopahead"]["stats"]["extra"]["K"] == 3
-    assert_error(run_inproc(config="tiny_raven", prompt_ids="1,2", method="loopahead",
-                            lad=str(lad)), "does not match", "family")
+    assert_error(run_inproc(config="tiny_raven", ckpt="random", prompt_ids="1,2",
+                            method="loopahead", lad=str(lad)), "does not match", "family")

@@ -5,6 +5,7 @@ clear errors naming the tensor that is missing, misshapen or unknown."""
 from __future__ import annotations
 
 import json
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -242,7 +243,8 @@ def test_looped_presets():
     huginn = load_preset("huginn_0125").model
     shape = (huginn.prelude_layers, huginn.coda_layers, huginn.head_dim, huginn.qk_bias)
     assert shape == (2, 2, 96, True)
-    assert load_preset("tiny_raven").checkpoint == "random"
+    for name in ("tiny_ouro", "tiny_raven"):  # the models trained here, shipped in checkpoints/
+        assert load_preset(name).checkpoint.endswith(os.path.join("checkpoints", name))
 
 
 def test_preset_loads_looped_checkpoint_and_checks_shape(tmp_path):
@@ -264,7 +266,23 @@ def test_preset_loads_looped_checkpoint_and_checks_shape(tmp_path):
 
 def test_engine_from_tiny_preset():
     from lookahead_jax.engine import Engine  # noqa: PLC0415
-    engine = Engine.from_preset("tiny_ouro")
+    engine = Engine.from_preset("tiny_ouro", ckpt="random")
     assert isinstance(nnx.merge(engine.graphdef, engine.params), LoopedLM)
     result = engine.generate_ids([[3, 4, 5]], max_new_tokens=3)  # the preset's method: plain
     assert len(result.tokens[0]) == 3 and result.stats.steps == 3
+
+
+@pytest.mark.parametrize("name", ["tiny_ouro", "tiny_raven"])
+def test_shipped_tiny_presets_generate_text(name):
+    from lookahead_jax.engine import Engine  # noqa: PLC0415
+    from lookahead_jax.presets import load_preset  # noqa: PLC0415
+    if not os.path.isdir(load_preset(name).checkpoint):
+        pytest.skip(f"checkpoints/{name} not present")
+    engine = Engine.from_preset(name)
+    assert engine.tokenizer is not None
+    prompt = "How many legs do 3 cats have?"
+    result = engine.generate(prompt, max_new_tokens=8)
+    ids = engine.encode(prompt)
+    assert ids[0] == engine.tokenizer.bos_token_id  # the chat template of the trained tokenizer
+    plain = engine.generate_ids([ids], max_new_tokens=8, method="ar")
+    assert result.tokens[0] == plain.tokens[0] and result.texts[0] == engine.decode(plain.tokens[0])

@@ -346,8 +346,8 @@ def test_cli_loopspec(tmp_path):
     outs = {}
     for method in ("ar", "loopspec"):
         path = tmp_path / f"{method}.json"
-        res = run_inproc(config="tiny_raven", prompt_ids="5,6,7,8,9", method=method,
-                         max_new_tokens=8, json_out=str(path))
+        res = run_inproc(config="tiny_raven", ckpt="random", prompt_ids="5,6,7,8,9",
+                         method=method, max_new_tokens=8, json_out=str(path))
         assert res.returncode == 0, res.stderr
         with open(path) as f:
             outs[method] = json.load(f)["results"][0]

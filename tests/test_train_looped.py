@@ -175,7 +175,8 @@ def test_resumed_training_equals_an_uninterrupted_run(tmp_path):
     assert whole.step == resumed.step == TRAIN.steps
     for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    logs = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    lines = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    logs = [json.loads(line) for line in lines]
     assert [r["step"] for r in logs if "loss" in r] == list(range(1, TRAIN.steps + 1))
 
 
@@ -231,3 +232,22 @@ def test_bfloat16_export_stays_close(tmp_path, bpe):
     np.testing.assert_allclose(model.loop_logits(toks, pos)[0], loaded.loop_logits(toks, pos)[0],
                                atol=0.05)
     assert json.loads((tmp_path / "ck" / "config.json").read_text())["training"] == {"steps": 1}
+
+
+@pytest.mark.parametrize("name", ["tiny_ouro", "tiny_raven"])
+def test_shipped_checkpoint_matches_its_preset_and_tokenizer(name):
+    import pathlib
+
+    from lookahead_jax.tokenizer import encode_prompt, load_tokenizer
+    from train_looped import configs
+    ckpt = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" / name
+    if not ckpt.is_dir():
+        pytest.skip(f"{ckpt} not present")
+    spec = configs.get(name)
+    assert export.load_config(ckpt) == spec.model
+    training = json.loads((ckpt / "config.json").read_text())["training"]
+    assert training["train_config"] == dataclasses.asdict(spec.train)
+    tok = load_tokenizer(ckpt)
+    ids = encode_prompt(tok, "Hi", chat=True)
+    assert ids[:2] == [tokenizer.BOS_ID, 2] and tok.eos_token_id == tokenizer.EOS_ID
+    assert max(ids) < spec.model.vocab_size

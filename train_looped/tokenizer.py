@@ -42,7 +42,8 @@ def data_dir(vocab_size: int = DEFAULT_VOCAB) -> pathlib.Path:
 
 def train_bpe(texts, vocab_size: int = DEFAULT_VOCAB):
     """A `tokenizers.Tokenizer` (byte-level BPE, digits split, SPECIAL_TOKENS at ids 0-4)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: PLC0415
+    from tokenizers import (Tokenizer, decoders, models, pre_tokenizers,  # noqa: PLC0415
+                            processors, trainers)
 
     tk = Tokenizer(models.BPE(fuse_unk=False))
     tk.pre_tokenizer = pre_tokenizers.Sequence([
