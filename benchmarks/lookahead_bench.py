@@ -17,7 +17,6 @@ after every prompt, so a stopped run keeps what it measured.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
@@ -75,30 +74,8 @@ def label(cfg: LookaheadConfig | None) -> str:
 
 
 def summarize(runs: list[dict]) -> list[dict]:
-    """Per (data set, method): totals and ratios over its prompts."""
-    groups = collections.defaultdict(list)
-    for r in runs:
-        groups[(r["dataset"], r["method"])].append(r)
-    rows = []
-    for (ds, method), rs in groups.items():
-        tokens = sum(r["tokens"] for r in rs)
-        steps = sum(r["steps"] for r in rs)
-        secs = sum(r["prefill_s"] + r["decode_s"] for r in rs)
-        decode_steps = sum(r["steps"] - 1 for r in rs)
-        hist = [sum(x) for x in zip(*[r["accepted_hist"] for r in rs])] if rs[0].get(
-            "accepted_hist") else None
-        rows.append({"dataset": ds, "method": method, "prompts": len(rs), "tokens": tokens,
-                     "steps": steps, "S": tokens / steps, "tokens_per_s": tokens / secs,
-                     "step_ms": 1e3 * sum(r["decode_s"] for r in rs) / max(decode_steps, 1),
-                     "exact": (sum(r["exact"] for r in rs) if rs[0]["exact"] is not None
-                               else None), "accepted_hist": hist,
-                     "W": rs[0].get("W"), "N": rs[0].get("N"), "G": rs[0].get("G"),
-                     "step_tokens": rs[0].get("step_tokens", 1)})
-    for row in rows:
-        plain = next(r for r in rows if r["dataset"] == row["dataset"] and r["method"] == "plain")
-        row["speedup"] = row["tokens_per_s"] / plain["tokens_per_s"]
-        row["step_cost"] = row["step_ms"] / plain["step_ms"]  # in plain decoding steps
-    return rows
+    """Per (data set, method): totals and ratios over its prompts (`common.summarize_runs`)."""
+    return common.summarize_runs(runs)
 
 
 def plot_sweep(rows: list[dict], path: str) -> None:

@@ -60,6 +60,17 @@ def methods(r_full: int, lad: str | None, model_config) -> dict:
     return out
 
 
+def loop_counts(method, result, r_full: int) -> tuple[int, int, int]:
+    """(shared-block calls, candidate advances, verified tokens) of one generation; plain
+    decoding (`method == "ar"`) runs every token through all r_full loops. The first token
+    (from the prefill) is not counted."""
+    n = len(result.tokens[0]) - 1
+    if isinstance(method, str) and method == "ar":
+        return r_full * n, r_full * n, n
+    e = result.stats.extra
+    return e["loops"], e["advances"], e["verified_tokens"]
+
+
 def measure(engine, method, prompts: list[list[int]], new: int, r_full: int) -> dict:
     engine.generate_ids(prompts[:1], method=method, max_new_tokens=new)  # compile + warm up
     loops = adv = verified = tokens = 0
@@ -70,13 +81,8 @@ def measure(engine, method, prompts: list[list[int]], new: int, r_full: int) -> 
         seconds += r.stats.prefill_s + r.stats.decode_s
         tokens += r.stats.total_tokens
         outputs.append(r.tokens[0])
-        n = len(r.tokens[0]) - 1
-        if method == "ar":
-            loops, adv, verified = loops + r_full * n, adv + r_full * n, verified + n
-        else:
-            e = r.stats.extra
-            loops, adv, verified = loops + e["loops"], adv + e["advances"], \
-                verified + e["verified_tokens"]
+        lo, ad, ve = loop_counts(method, r, r_full)
+        loops, adv, verified = loops + lo, adv + ad, verified + ve
     return {"loops_per_token": loops / max(verified, 1),
             "advances_per_token": adv / max(verified, 1),
             "tokens_per_s": tokens / seconds if seconds else float("nan"), "outputs": outputs}

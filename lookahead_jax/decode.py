@@ -58,14 +58,25 @@ def define_flags() -> None:
     f.DEFINE_integer("seed", 0, "PRNG seed (sampling and the window's first guesses).")
     f.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Parameter dtype (default: the "
                   "preset's).")
-    f.DEFINE_enum("method", None, ["lookahead", "ar", "loopspec", "loopahead"], "Decoding "
-                  "method (default: lookahead when the preset defines lookahead settings, else "
-                  "ar; loopspec and loopahead: looped-model presets only).")
+    f.DEFINE_enum("method", None, ["lookahead", "ar", "prompt_lookup", "loopspec", "loopahead"],
+                  "Decoding method (default: lookahead when the preset defines lookahead "
+                  "settings, else ar; prompt_lookup: drafts copied from earlier in the prompt "
+                  "and output; loopspec and loopahead: looped-model presets only).")
     f.DEFINE_string("lad", None, "--method=loopahead: a train_lad workdir with the lookahead "
                     "drafter (default: native proposals only).")
+    f.DEFINE_integer("pl_tokens", None, "--method=prompt_lookup: draft tokens per step, at most "
+                     "(default: 10).")
+    f.DEFINE_integer("pl_ngram", None, "--method=prompt_lookup: longest suffix of the sequence "
+                     "searched for earlier in it, tried down to 1 (default: 3).")
     f.DEFINE_integer("W", None, "Lookahead window width (overrides the preset).")
     f.DEFINE_integer("N", None, "Lookahead n-gram size (overrides the preset).")
     f.DEFINE_integer("G", None, "Lookahead verification candidates (overrides the preset).")
+    f.DEFINE_bool("auto", False, "Choose W, N, G automatically: measure this device's step-cost "
+                  "curve and pick the settings the fitted scaling law predicts fastest (G = W; "
+                  "--W/--N/--G, when given, fix that value); the choice and why go to stderr.")
+    f.DEFINE_string("auto_fit", None, "--auto: a JSON scaling-law fit written by `python -m "
+                    "benchmarks.suite --sweep` (default: benchmarks/results/scaling_fit.json when present, "
+                    "else the fit of our stored SmolLM2 runs).")
     f.DEFINE_bool("prompt_seeding", None, "Seed the n-gram pool with the prompt's n-grams "
                   "(default: the preset's).")
     f.DEFINE_integer("cache_len", None, "KV cache slots (default: just enough).")
@@ -107,6 +118,10 @@ class Options:
     chat: bool | None = None
     json_out: str | None = None
     lad: str | None = None
+    pl_tokens: int | None = None
+    pl_ngram: int | None = None
+    auto: bool = False
+    auto_fit: str | None = None
 
 
 def options_from_flags() -> Options:
@@ -188,7 +203,18 @@ def resolve_settings(opts: Options, preset):
         raise ConfigError(f"--limit must be >= 0, got {opts.limit}")
     overrides = {k: v for k, v in (("W", opts.W), ("N", opts.N), ("G", opts.G),
                                     ("prompt_seeding", opts.prompt_seeding)) if v is not None}
-    method = opts.method or ("lookahead" if preset.lookahead is not None or overrides else "ar")
+    method = opts.method or ("lookahead" if preset.lookahead is not None or overrides
+                             or opts.auto else "ar")
+    if opts.auto_fit and not opts.auto:
+        raise ConfigError("--auto_fit only applies with --auto")
+    if opts.auto:
+        from models.looped import LoopedConfig  # noqa: PLC0415
+        if method != "lookahead" or isinstance(preset.model, LoopedConfig):
+            raise ConfigError("--auto chooses lookahead settings: it needs --method=lookahead "
+                              "and a Llama-family preset")
+        overrides = {k: v for k, v in overrides.items() if k == "prompt_seeding"}  # W/N/G: grid
+        from lookahead_jax.auto import resolve_fit  # noqa: PLC0415
+        resolve_fit(opts.auto_fit)  # a missing or broken fit file fails before weights load
     if opts.devices is not None and opts.devices < 1:
         raise ConfigError(f"--devices must be >= 1, got {opts.devices}")
     if method in LOOPED_METHODS:
@@ -196,7 +222,13 @@ def resolve_settings(opts: Options, preset):
         if not isinstance(preset.model, LoopedConfig):
             raise ConfigError(f"--method={method} needs a looped model: preset {preset.name} "
                               f"is not one (use a looped preset, e.g. --config=tiny_ouro)")
-    if method in ("ar", *LOOPED_METHODS):
+    pl = [n for n, v in (("pl_tokens", opts.pl_tokens), ("pl_ngram", opts.pl_ngram))
+          if v is not None]
+    if pl and method != "prompt_lookup":
+        raise ConfigError(f"--{'/--'.join(pl)} only apply to --method=prompt_lookup")
+    if method == "prompt_lookup":
+        prompt_lookup_method(opts, sampling)  # bad settings fail here, before any weights load
+    if method in ("ar", "prompt_lookup", *LOOPED_METHODS):
         if overrides:
             raise ConfigError(f"--{'/--'.join(overrides)} only apply to --method=lookahead")
         if opts.attention == "pallas":
@@ -215,6 +247,15 @@ def resolve_settings(opts: Options, preset):
     except KernelUnavailable as e:
         raise ConfigError(f"--attention={opts.attention}: {e}") from None
     return method, sampling, lookahead, devices
+
+
+def prompt_lookup_method(opts: Options, sampling):
+    """The PromptLookup method of --pl_tokens / --pl_ngram (defaults where not given)."""
+    from lookahead_jax.prompt_lookup import (  # noqa: PLC0415
+        DEFAULT_NGRAM, DEFAULT_TOKENS, PromptLookup)
+    return PromptLookup(sampling,
+                        num_tokens=DEFAULT_TOKENS if opts.pl_tokens is None else opts.pl_tokens,
+                        max_ngram=DEFAULT_NGRAM if opts.pl_ngram is None else opts.pl_ngram)
 
 
 def _one_line(msg: str) -> str:
@@ -281,6 +322,12 @@ def _run(opts: Options, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
         from lookahead_jax.loopahead import LadDrafter, LoopAhead  # noqa: PLC0415
         method = LoopAhead(sampling, drafter=LadDrafter.load(opts.lad, model.config)
                            if opts.lad else None)
+    elif method == "prompt_lookup":
+        method = prompt_lookup_method(opts, sampling)
+    auto_choice = None
+    if opts.auto:
+        auto_choice = _auto_settings(opts, engine, lookahead, texts, ids, chat, stderr)
+        lookahead = engine.lookahead = auto_choice.config
     gen_kw = dict(method=method, max_new_tokens=opts.max_new_tokens, sampling=sampling,
                   lookahead=lookahead, seed=opts.seed)
     records = []
@@ -329,8 +376,31 @@ def _run(opts: Options, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
             "dtype": opts.dtype or preset.dtype, "chat": chat, "seed": opts.seed,
             "max_new_tokens": opts.max_new_tokens, "sampling": dataclasses.asdict(sampling),
             "lookahead": dataclasses.asdict(lookahead) if lookahead else None,
-            "attention": opts.attention or "dense", "results": records})
+            "attention": opts.attention or "dense", "results": records,
+            **({"auto": auto_choice.to_dict()} if auto_choice else {})})
     return status
+
+
+def _auto_settings(opts: Options, engine, base, texts, ids, chat: bool, stderr: TextIO):
+    """--auto: ranks (W, N, G) candidates by predicted speed-up on this device (fixing the
+    --W/--N/--G given), prints why on stderr, returns the `auto.AutoChoice`."""
+    from lookahead_jax import auto  # noqa: PLC0415
+    if ids is not None:
+        prompt_len = len(ids)
+    elif texts:
+        prompt_len = max(len(engine.encode(t, chat)) for t in texts)
+    else:  # interactive: prompts not known yet
+        prompt_len = 64
+    Ws = (opts.W,) if opts.W is not None else auto.GRID_W
+    Ns = (opts.N,) if opts.N is not None else auto.GRID_N
+    grid = auto.candidate_grid(Ws, Ns, (opts.G,) if opts.G is not None else None)
+    print(f"auto: measuring the step-cost curve at cache length "
+          f"{prompt_len + opts.max_new_tokens // 2} ...", file=stderr, flush=True)
+    choice = auto.choose_settings(engine, prompt_len=prompt_len,
+                                  max_new_tokens=opts.max_new_tokens, fit=opts.auto_fit,
+                                  grid=grid, base=base)
+    print(choice.report(), file=stderr, flush=True)
+    return choice
 
 
 def _interactive(decode_one, name: str, stdin: TextIO, stderr: TextIO) -> int:

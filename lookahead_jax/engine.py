@@ -130,15 +130,19 @@ _run_jit = jax.jit(_run_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
 def resolve_method(method: str | Method | None, sampling: Sampling,
                    lookahead: LookaheadConfig | None, attention: Any = "dense",
                    devices: int = 1) -> Method:
-    """'ar' | 'lookahead' | a Method instance -> a Method. `attention` ('dense' | 'pallas' |
-    'auto' or an attention function) is the lookahead steps' attention; `devices` > 1 splits
-    each lookahead step across that many local devices (lookahead parallelism)."""
+    """'ar' | 'lookahead' | 'prompt_lookup' | 'loopspec' | 'loopahead' | a Method instance ->
+    a Method. `attention` ('dense' | 'pallas' | 'auto' or an attention function) is the
+    lookahead steps' attention; `devices` > 1 splits each lookahead step across that many
+    local devices (lookahead parallelism)."""
     if method is None:
         method = "lookahead" if lookahead is not None else "ar"
     if not isinstance(method, str):
         return method
     if method == "ar":
         return Plain(sampling)
+    if method == "prompt_lookup":  # default settings; others: pass a PromptLookup instance
+        from lookahead_jax.prompt_lookup import PromptLookup  # noqa: PLC0415
+        return PromptLookup(sampling)
     if devices < 1:
         raise ConfigError(f"devices must be >= 1, got {devices}")
     if method == "lookahead" and devices > 1:
@@ -155,8 +159,8 @@ def resolve_method(method: str | Method | None, sampling: Sampling,
     if method == "loopahead":  # native proposals only; a drafter: pass a LoopAhead instance
         from lookahead_jax.loopahead import LoopAhead  # noqa: PLC0415
         return LoopAhead(sampling)
-    raise ConfigError(f"unknown method {method!r}: expected 'ar', 'lookahead', 'loopspec' or "
-                      f"'loopahead'")
+    raise ConfigError(f"unknown method {method!r}: expected 'ar', 'lookahead', 'prompt_lookup', "
+                      f"'loopspec' or 'loopahead'")
 
 
 class Engine:

@@ -1,21 +1,25 @@
-"""LoopAhead (greedy): a candidate tree of tokens at different loop depths, drafted early by the
-looped model's native proposals and a lookahead drafter (LAD), paused by intermediate-loop
-feedback, decided by the full-depth readout alone (`--method=loopahead`, looped models).
+"""LoopAhead: a candidate tree of tokens at different loop depths, drafted early by the looped
+model's native proposals and a lookahead drafter (LAD), paused by intermediate-loop feedback,
+decided by the full-depth readout alone (`--method=loopahead`, looped models). Greedy and
+sampling.
 
 Each step is one batched call of the shared block over the scheduled nodes of the tree
 (`loop_tree.loop_advance`), then:
 
 1. Verification and commit (possibly several tokens): while the root is at full depth R, its
-   argmax is emitted and its K/V committed; the child holding that token becomes the root
-   (the other subtrees are pruned), else the emitted token restarts as a fresh root. A drafted
-   chain that advanced as one block reaches R together, so a whole accepted chain commits in
-   one step.
+   token is decided and emitted and its K/V committed; the child holding that token becomes
+   the root (the other subtrees are pruned), else the emitted token restarts as a fresh root.
+   A drafted chain that advanced as one block reaches R together, so a whole accepted chain
+   commits in one step.
 2. Drafts at depth r1: a node reaching r1 proposes its readout's argmax (the native proposal,
    the anchor). A node with no child yet gets the anchor as a child and, below it, a chain of
    the drafter's K tokens (one drafter call per row and step, over the depth-r1 states and
    native proposals of the last `window` positions: committed tokens and the node's
    ancestors); all of them start at depth 0 and advance together. A node whose children do
-   not include its anchor gets the anchor as an extra child.
+   not include its anchor gets the anchor as an extra child. The drafter's vocabulary is its
+   compact one (the teacher outputs' most frequent tokens) and, when its head can score any
+   token (`train_lad` head "model"), the request's own tokens too: the prompt's, EOS and the
+   outputs so far (`request_tokens`, a fixed number of slots).
 3. Feedback at depth r2 (scheduling): a node reaching r2 pauses every child whose token
    differs from its depth-r2 argmax, which suspends the child's subtree (K/V kept, not
    advanced), and adds that argmax as a child when none holds it; a paused child resumes
@@ -23,9 +27,28 @@ Each step is one batched call of the shared block over the scheduled nodes of th
 4. Budget: at most `max_active` nodes advance per step (0: all eligible), nearest positions
    first; a node never runs deeper than its ancestors (suspension covers whole subtrees).
 
-Output equals plain full-depth greedy decoding token for token whatever the drafts. Counts as
-LoopSpec: loops (shared-block calls) and candidate advances per output token.
-Sampling (accept min(1, p/q) along the tree) is not implemented yet.
+Greedy: the root's token is its full-depth argmax; output equals plain full-depth greedy
+decoding token for token whatever the drafts.
+
+Sampling (temperature, top-k, top-p; p and every q warped by `Sampling`): every child records
+the distribution q its token was drawn from, and a node has at most one child of each kind,
+made in a fixed order: the drafter's token (a deterministic proposal, q one-hot), the anchor
+(at r1), the feedback proposal (at r2). The root at full depth, with target p, walks its
+children in that order with the standard speculative-sampling cascade (LoopSpec's
+`verify_drafts`): child x is accepted with probability min(1, r(x) / q(x)), r the residual
+target (p at first); on rejection r becomes normalize(max(r - q, 0)); with none accepted the
+token is drawn from the final residual. Each proposal is drawn from what the earlier ones
+leave (`draft_chances`, the cascade in expectation, with the early readout in place of p):
+the anchor from the r1 distribution's residual after the drafter's token, the feedback
+proposal from the r2 distribution's residual after the existing children, made only when that
+residual is not empty (so a token that would certainly be accepted is never repeated). A
+child's existence and q depend only on earlier children, never on its own token, so each
+emitted token is distributed exactly as plain sampling at full depth. Scheduling at r2 keeps
+the child most likely to be accepted under the r2 distribution (the new proposal included)
+and pauses the others: the greedy rule is its one-hot case.
+
+Counts as LoopSpec: loops (shared-block calls) and candidate advances per output token;
+`drafter_accepted`: verifications that kept the drafter's child.
 """
 
 from __future__ import annotations
@@ -40,10 +63,12 @@ from flax import nnx, struct
 
 from lookahead_jax.generation import Output, run_steps
 from lookahead_jax.loop_tree import LoopTree, commit_root, loop_advance, prefill_all_depths
-from lookahead_jax.loopspec import LoopStats, check_looped, check_scratch_room, loop_summary
+from lookahead_jax.loopspec import (DraftVerifier, LoopStats, check_looped, check_scratch_room,
+                                    draft_chances, loop_summary, verify_drafts)
 from lookahead_jax.sampling import Sampling
 from models.config import ConfigError
 from models.kv_cache import KVCache
+from train_lad.model import output_embedding
 
 
 class LadDrafter:
@@ -55,13 +80,30 @@ class LadDrafter:
         self.graphdef, params = nnx.split(model)
         self.params = {"net": params, "vocab": jnp.asarray(draft_vocab, jnp.int32)}
         self.K = model.shape.K
+        self.head = model.shape.head
 
-    def draft(self, params, states, anchors, positions, mask) -> jax.Array:
+    def draft(self, params, states, anchors, positions, mask, *, extra_ids=None,
+              out_embedding=None) -> jax.Array:
         """states [B,W,E], anchors, positions [B,W], mask [B,W,W] -> the K tokens after the
-        anchor of the last window position, [B,K] (full-vocabulary ids)."""
+        anchor of the last window position, [B,K] (full-vocabulary ids): each the argmax over
+        the draft vocabulary and, with head "model", over extra_ids [B,X] too (the request's
+        own tokens; -1: an empty slot), every token scored against out_embedding [E,V] (the
+        looped model's). Head "vocab" has a logit for its own vocabulary's tokens only, so it
+        ignores extra_ids."""
         net = nnx.merge(self.graphdef, params["net"])
-        logits = net(states, anchors, positions, mask)[:, -1]  # [B,K,Vd]
-        return params["vocab"][jnp.argmax(logits, axis=-1)]
+        vocab = params["vocab"]
+        f = net.features(states, anchors, positions, mask)[:, -1]  # [B,K,F]
+        if self.head == "vocab":
+            return vocab[jnp.argmax(f, axis=-1)]
+        w = out_embedding.astype(jnp.float32)
+        logits = jnp.einsum("bke,ev->bkv", f, w[:, vocab])  # [B,K,Vd]
+        ids = jnp.broadcast_to(vocab[None], (f.shape[0], vocab.shape[0]))
+        if extra_ids is not None:
+            extra = jnp.einsum("bke,ebx->bkx", f, jnp.take(w, jnp.maximum(extra_ids, 0), axis=1))
+            logits = jnp.concatenate(
+                [logits, jnp.where(extra_ids[:, None, :] >= 0, extra, -jnp.inf)], axis=-1)
+            ids = jnp.concatenate([ids, extra_ids], axis=-1)
+        return jnp.take_along_axis(ids, jnp.argmax(logits, axis=-1), axis=1)
 
     @classmethod
     def load(cls, workdir, model_config=None) -> "LadDrafter":
@@ -85,6 +127,23 @@ class LadDrafter:
         return cls(model, vocab)
 
 
+def request_tokens(prompt: jax.Array, out: Output, eos_ids: tuple[int, ...]) -> jax.Array:
+    """The request's own tokens, which join the drafter's vocabulary at inference (when its
+    head can score them): the prompt's [B, P] (-1 past its length), the outputs so far, EOS.
+    Returns [B, P + max_new_tokens + len(eos_ids)] int32, -1 in empty slots."""
+    b, m = out.tokens.shape
+    outputs = jnp.where(jnp.arange(m)[None] < out.count[:, None], out.tokens, -1)
+    eos = jnp.broadcast_to(jnp.asarray(eos_ids, jnp.int32).reshape(1, -1), (b, len(eos_ids)))
+    return jnp.concatenate([prompt, outputs, eos], axis=1).astype(jnp.int32)
+
+
+# the proposals that make children, in the order they are made for a node and verified:
+# the drafter's (chained below an anchor when it is made), the anchor (at the node's r1), the
+# feedback proposal (at its r2)
+KIND_ANCHOR, KIND_FEEDBACK, KIND_LAD = 1, 2, 3
+KINDS = (KIND_LAD, KIND_ANCHOR, KIND_FEEDBACK)
+
+
 @struct.dataclass
 class LoopAheadState:
     cache: KVCache
@@ -95,6 +154,7 @@ class LoopAheadState:
     native: jax.Array  # [B, C] int32 each node's native proposal (argmax at r1)
     ctx_h1: jax.Array  # [B, S, E] the committed tokens' depth-r1 states
     ctx_native: jax.Array  # [B, S] int32 the committed tokens' native proposals
+    prompt: jax.Array  # [B, P] int32 the prompt's tokens, -1 past its length
     key: jax.Array
     steps: jax.Array
     stats: LoopStats
@@ -102,10 +162,12 @@ class LoopAheadState:
 
 @dataclasses.dataclass(frozen=True)
 class LoopAhead:
-    """LoopAhead decoding (greedy). r1: draft depth (native proposals and LAD); r2: feedback
-    depth (0: off); drafter: a `LadDrafter` (None: native proposals only, the "drafter off"
-    ablation); scheduling: feedback suspension on/off; max_active: nodes advanced per step
-    (0: all); window: the drafter's context positions; capacity: tree nodes (0: automatic)."""
+    """LoopAhead decoding, greedy or sampling. r1: draft depth (native proposals and LAD);
+    r2: feedback depth (0: off); drafter: a `LadDrafter` (None: native proposals only, the
+    "drafter off" ablation); scheduling: feedback at r2 (suspension and the r2 proposal) on /
+    off (the "scheduling off" ablation); max_active: nodes advanced per step (0: all); window:
+    the drafter's context positions; capacity: tree nodes (0: automatic); verifier: the
+    acceptance rule when sampling (tests plant wrong ones)."""
 
     sampling: Sampling = Sampling()
     r1: int = 1
@@ -115,10 +177,9 @@ class LoopAhead:
     max_active: int = 0
     window: int = 32
     capacity: int = 0
+    verifier: DraftVerifier = verify_drafts
 
     def __post_init__(self):
-        if not self.sampling.greedy:
-            raise ConfigError("loopahead: sampling is not implemented yet (greedy only)")
         if self.r1 < 1 or (self.r2 and self.r2 <= self.r1):
             raise ConfigError(f"loopahead: need 1 <= r1 < r2 (or r2 = 0), got {self.r1}, "
                               f"{self.r2}")
@@ -149,19 +210,22 @@ class LoopAhead:
         check_scratch_room(cache, tokens.shape[1], max_new_tokens, capacity)
         logits, cache, h1, nat = prefill_all_depths(
             model, tokens, lengths, cache, (self.r1, self.r2, cfg.num_loops), keep_depth=self.r1)
-        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        key, sub = jax.random.split(key)
+        first = self.sampling.sample(sub, logits)
         b, p = tokens.shape
         out, _ = Output.init(b, max_new_tokens).emit(first[:, None], jnp.ones_like(lengths),
                                                      eos_ids)
         tree = LoopTree.init(first, lengths.astype(jnp.int32), capacity, cfg.hidden_size,
-                             model.dtype, 1)
+                             model.dtype, 1 if self.sampling.greedy else cfg.vocab_size)
         s = cache.max_len
         ctx_h1 = jnp.zeros((b, s, cfg.hidden_size), h1.dtype).at[:, :p].set(h1)
         ctx_nat = jnp.zeros((b, s), jnp.int32).at[:, :p].set(nat)
+        prompt = jnp.where(jnp.arange(p)[None] < lengths[:, None], tokens, -1)
         return LoopAheadState(cache, out, tree, jnp.zeros((b, capacity), bool),
                               jnp.zeros((b, capacity, cfg.hidden_size), h1.dtype),
-                              jnp.zeros((b, capacity), jnp.int32), ctx_h1, ctx_nat, key,
-                              jnp.ones((), jnp.int32), LoopStats.zeros(b))
+                              jnp.zeros((b, capacity), jnp.int32), ctx_h1, ctx_nat,
+                              prompt.astype(jnp.int32), key, jnp.ones((), jnp.int32),
+                              LoopStats.zeros(b))
 
     def run(self, graphdef, params, state, max_steps, *, eos_ids):
         model = nnx.merge(graphdef, params["model"])
@@ -169,17 +233,21 @@ class LoopAhead:
                          max_steps)
 
     def summary(self, state: LoopAheadState) -> dict:
+        st = loop_summary(state.stats)
+        st["drafter_accepted"] = st.pop("second_draft_accepted")
         return {"r1": self.r1, "r2": self.r2, "K": self.K, "scheduling": self.scheduling,
-                "capacity": state.tree.capacity, **loop_summary(state.stats)}
+                "capacity": state.tree.capacity, **st}
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, model, drafter_params, state: LoopAheadState, eos_ids) -> LoopAheadState:
         r_full = model.config.num_loops
+        greedy = self.sampling.greedy
         live = ~state.out.done
         tree = state.tree
         b, c = tree.valid.shape
         rows = jnp.arange(b)
         slots = jnp.arange(c)
+        key, k_verify, k_anchor, k_feedback = jax.random.split(state.key, 4)
 
         # schedule: valid, not suspended (paused itself or below a paused node), below R;
         # nearest positions first within the budget
@@ -193,6 +261,8 @@ class LoopAhead:
         depths = (self.r1, self.r2, r_full)
         tree, cache, logits, active = loop_advance(model, tree, state.cache, live, depths, run)
         top = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, C] at each node's depth
+        # sampling: each node's warped distribution at its depth [B, C, V]
+        probs = None if greedy else jax.nn.softmax(self.sampling.log_probs(logits), axis=-1)
         at_r1 = active & (tree.depth == self.r1)
         h1 = jnp.where(at_r1[..., None], tree.h, state.h1)
         native = jnp.where(at_r1, top, state.native)
@@ -203,11 +273,28 @@ class LoopAhead:
         out = state.out
         verified = jnp.zeros((b,), jnp.int32)
         accepted = jnp.zeros((b,), jnp.int32)
+        accepted_lad = jnp.zeros((b,), jnp.int32)
         going = live
-        for _ in range(self.K + 2):
+        verify_keys = jax.random.split(k_verify, 2 * (self.K + 2))
+        for it in range(self.K + 2):
             root = tree.root
             at_r = going & tree.valid[rows, root] & (tree.depth[rows, root] == r_full)
-            nxt = top[rows, root]
+            if greedy:
+                nxt = top[rows, root]
+                match = (tree.valid & (tree.parent == root[:, None])
+                         & (tree.token == nxt[:, None]))
+                keep = at_r & match.any(1)
+                child = jnp.argmax(match, axis=1).astype(jnp.int32)
+            else:  # the root's children in creation order, speculative sampling in cascade
+                slot, has = self._children(tree)
+                slot, has = slot[rows, root], has[rows, root]  # [B, KINDS]
+                x = jnp.take_along_axis(tree.token, slot, axis=1)
+                q = tree.q[rows[:, None], slot]  # [B, KINDS, V]
+                u = jax.random.uniform(verify_keys[2 * it], x.shape)
+                which, nxt = self.verifier(u, probs[rows, root], q, x, has,
+                                           verify_keys[2 * it + 1])
+                keep = at_r & (which >= 0)
+                child = jnp.take_along_axis(slot, jnp.maximum(which, 0)[:, None], axis=1)[:, 0]
             cache_pos = cache.length
             ctx_h1 = ctx_h1.at[rows, jnp.where(at_r, cache_pos, ctx_h1.shape[1])].set(
                 h1[rows, root], mode="drop")
@@ -215,9 +302,7 @@ class LoopAhead:
                 native[rows, root], mode="drop")
             cache = commit_root(cache, tree, at_r)
             out, _ = out.emit(nxt[:, None], at_r.astype(jnp.int32), eos_ids)
-            match = tree.valid & (tree.parent == root[:, None]) & (tree.token == nxt[:, None])
-            keep = at_r & match.any(1)
-            child = jnp.argmax(match, axis=1).astype(jnp.int32)
+            accepted_lad += (keep & (tree.kind[rows, child] == KIND_LAD)).astype(jnp.int32)
             root_pos = tree.pos[rows, root]
             tree = tree.keep_subtree(keep, child)
             restart = at_r & ~keep
@@ -229,51 +314,108 @@ class LoopAhead:
             going = keep & ~out.done
         at_r1 = at_r1 & tree.valid & ~tree.fresh
 
-        # 3. feedback at r2: children that disagree with their parent's depth-r2 argmax pause
-        #    (with their subtrees); the r2 proposal joins as a child when no child holds it
-        q = jnp.zeros((b, c, 1), jnp.float32)
+        # 3. feedback at r2: children unlikely to survive the full-depth verdict, judged by the
+        #    depth-r2 readout, pause (with their subtrees); the r2 proposal joins as a child
+        q_none = jnp.zeros((b, c, 1), jnp.float32)
         if self.r2 and self.scheduling:
             at_r2 = active & tree.valid & ~tree.fresh & (tree.depth == self.r2)
-            par = jnp.maximum(tree.parent, 0)
-            conflict = (tree.valid & (tree.parent >= 0) & at_r2[rows[:, None], par]
-                        & (tree.token != top[rows[:, None], par]))
-            paused = paused | conflict
             kids = tree.valid[:, None, :] & (tree.parent[:, None, :] == slots[None, :, None])
-            has_fb = (kids & (tree.token[:, None, :] == top[:, :, None])).any(-1)
-            tree, _ = tree.spawn(at_r2 & kids.any(-1) & ~has_fb, top, q, 2)
+            if greedy:  # pause every child but the r2 argmax; add the argmax when missing
+                par = jnp.maximum(tree.parent, 0)
+                conflict = (tree.valid & (tree.parent >= 0) & at_r2[rows[:, None], par]
+                            & (tree.token != top[rows[:, None], par]))
+                paused = paused | conflict
+                has_fb = (kids & (tree.token[:, None, :] == top[:, :, None])).any(-1)
+                tree, _ = tree.spawn(at_r2 & kids.any(-1) & ~has_fb, top, q_none, KIND_FEEDBACK)
+            else:
+                tree, paused = self._feedback_sampling(tree, paused, probs, at_r2,
+                                                       kids.any(-1), k_feedback)
 
         # 2. drafts at r1: the anchor (native proposal), and the drafter's chain below it
         kids = tree.valid[:, None, :] & (tree.parent[:, None, :] == slots[None, :, None])
         has_kid = kids.any(-1)
-        has_anchor = (kids & (tree.token[:, None, :] == native[:, :, None])).any(-1)
-        want_anchor = at_r1 & ~has_anchor
+        if greedy:  # the anchor is the r1 argmax, added when no child holds it
+            anchor, q_anchor = native, q_none
+            has_anchor = (kids & (tree.token[:, None, :] == native[:, :, None])).any(-1)
+            want_anchor = at_r1 & ~has_anchor
+        else:  # drawn from what the r1 readout leaves after the node's existing children
+            slot, has = self._children(tree)
+            x, q = tree.token[rows[:, None, None], slot], tree.q[rows[:, None, None], slot]
+            _, left, res = draft_chances(probs, q, x, has)
+            q_anchor = res / jnp.maximum(res.sum(-1, keepdims=True), 1e-30)
+            anchor = jax.random.categorical(k_anchor, jnp.log(q_anchor), axis=-1)
+            anchor = anchor.astype(jnp.int32)
+            want_anchor = at_r1 & (left > 0)
         if self.drafter is None:
-            tree, _ = tree.spawn(want_anchor, native, q, 1)
+            tree, _ = tree.spawn(want_anchor, anchor, q_anchor, KIND_ANCHOR)
         else:
             lad_node = jnp.argmax(at_r1 & ~has_kid, axis=1).astype(jnp.int32)  # [B]
             use_lad = (at_r1 & ~has_kid).any(1)
+            extra = request_tokens(state.prompt, out, eos_ids)
             lad = jax.lax.cond(  # the drafter runs only in steps where a row needs it
                 use_lad.any(),
                 lambda: self._draft(drafter_params, tree, cache, h1, native, ctx_h1, ctx_nat,
-                                    lad_node),
+                                    lad_node, anchor[rows, lad_node], extra,
+                                    output_embedding(model)),
                 lambda: jnp.zeros((b, self.K), jnp.int32))  # [B, K]
-            tree, child = tree.spawn(want_anchor, native, q, 1)
+            tree, child = tree.spawn(want_anchor, anchor, q_anchor, KIND_ANCHOR)
             last = jnp.where(use_lad, child[rows, lad_node], -1)
             for k in range(self.K):
                 want = (slots[None] == last[:, None]) & (last >= 0)[:, None]
-                tree, child = tree.spawn(want, jnp.broadcast_to(lad[:, k:k + 1], (b, c)), q, 3)
+                tok = jnp.broadcast_to(lad[:, k:k + 1], (b, c))
+                # sampling: a drafted token is a deterministic proposal, q = one-hot
+                q_lad = q_none if greedy else jax.nn.one_hot(tok, tree.q.shape[-1])
+                tree, child = tree.spawn(want, tok, q_lad, KIND_LAD)
                 last = jnp.where(last >= 0, child[rows, jnp.maximum(last, 0)], -1)
 
         live_i = live.astype(jnp.int32)
         st = state.stats
         stats = LoopStats(st.loops + live_i, st.advances + active.sum(1, dtype=jnp.int32),
-                          st.verified + verified, st.accepted + accepted, st.accepted_second)
+                          st.verified + verified, st.accepted + accepted,
+                          st.accepted_second + accepted_lad)
         return LoopAheadState(cache, out, tree, paused & tree.valid, h1, native, ctx_h1,
-                              ctx_nat, state.key, state.steps + 1, stats)
+                              ctx_nat, state.prompt, key, state.steps + 1, stats)
+
+    @staticmethod
+    def _children(tree: LoopTree) -> tuple[jax.Array, jax.Array]:
+        """Every node's children by kind, in creation order (`KINDS`): slots [B, C, KINDS]
+        and whether each exists [B, C, KINDS]. A node has at most one child of each kind."""
+        c = tree.capacity
+        kids = tree.valid[:, None, :] & (tree.parent[:, None, :] == jnp.arange(c)[None, :, None])
+        of_kind = kids[:, :, None, :] & (tree.kind[:, None, None, :]
+                                         == jnp.asarray(KINDS)[None, None, :, None])
+        return jnp.argmax(of_kind, axis=-1).astype(jnp.int32), of_kind.any(-1)
+
+    def _feedback_sampling(self, tree: LoopTree, paused, probs, at_r2, has_kid, key):
+        """Sampling feedback at r2 for the nodes at_r2 [B, C]: with their depth-r2
+        distribution in place of the full-depth one, each child's chance of being accepted
+        (`draft_chances`, the verification cascade in expectation); the r2 proposal is drawn
+        from what the existing children leave (the cascade's residual, so it never repeats a
+        token that would have been accepted) when that chance is not zero; every child but the
+        likeliest (the new proposal included) pauses. Greedy is the one-hot case of this."""
+        b, c = tree.valid.shape
+        rows = jnp.arange(b)[:, None, None]
+        slot, has = self._children(tree)
+        x, q = tree.token[rows, slot], tree.q[rows, slot]  # [B, C, KINDS], [B, C, KINDS, V]
+        chance, left, res = draft_chances(probs, q, x, has)  # [B, C, KINDS], [B, C], [B, C, V]
+        want = at_r2 & has_kid & (left > 0)
+        q_fb = res / jnp.maximum(res.sum(-1, keepdims=True), 1e-30)
+        token = jax.random.categorical(key, jnp.log(q_fb), axis=-1).astype(jnp.int32)
+        score = jnp.concatenate([jnp.where(has, chance, -1.0),
+                                 jnp.where(want, left, -1.0)[..., None]], axis=-1)
+        best = jnp.argmax(score, axis=-1)  # [B, C]
+        pause = at_r2[..., None] & has & (jnp.arange(len(KINDS))[None, None] != best[..., None])
+        hit = (slot[..., None] == jnp.arange(c)[None, None, None]) & pause[..., None]
+        paused = paused | hit.any((1, 2))
+        tree, _ = tree.spawn(want, token, q_fb, KIND_FEEDBACK)
+        return tree, paused
 
     def _draft(self, params, tree: LoopTree, cache: KVCache, h1, native, ctx_h1, ctx_nat,
-               node: jax.Array) -> jax.Array:
-        """The drafter's K tokens for node [B] over the window of positions ending at it."""
+               node: jax.Array, anchor: jax.Array, extra_ids: jax.Array, out_embedding
+               ) -> jax.Array:
+        """The drafter's K tokens for node [B] over the window of positions ending at it,
+        after its anchor [B] (the native proposal; sampling: the drawn one); extra_ids [B, X]
+        and out_embedding [E, V] as in `LadDrafter.draft`."""
         b, c = tree.valid.shape
         rows = jnp.arange(b)
         w = self.window
@@ -288,8 +430,10 @@ class LoopAhead:
         states = jnp.where(committed[..., None], ctx_h1[rows[:, None], safe],
                            h1[rows[:, None], j])
         anchors = jnp.where(committed, ctx_nat[rows[:, None], safe], native[rows[:, None], j])
+        anchors = anchors.at[:, -1].set(anchor)  # the last window position is the node
         ok = committed | in_tree
         mask = jnp.tril(jnp.ones((w, w), bool))[None] & ok[:, None, :] & ok[:, :, None]
         mask = mask | jnp.eye(w, dtype=bool)[None]
         return self.drafter.draft(params, states.astype(jnp.float32), anchors,
-                                  jnp.maximum(want, 0), mask)
+                                  jnp.maximum(want, 0), mask, extra_ids=extra_ids,
+                                  out_embedding=out_embedding)

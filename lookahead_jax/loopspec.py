@@ -69,12 +69,42 @@ def verify_drafts(u: jax.Array, p: jax.Array, q: jax.Array, x: jax.Array, has: j
         accept = trial & (u[:, k] * q[rows, k, xk] * total < res[rows, xk])  # u < r/q
         which = jnp.where(accept, k, which)
         rejected = trial & ~accept
-        nxt = jnp.maximum(res / jnp.maximum(total, 1e-30)[:, None] - q[:, k], 0.0)
-        nxt = jnp.where(nxt.sum(-1, keepdims=True) > 0, nxt, res)  # r == q_k: never rejected
-        res = jnp.where(rejected[:, None], nxt, res)
+        res = jnp.where(rejected[:, None], residual_after(res, q[:, k]), res)
     drawn = jax.random.categorical(key, jnp.log(res), axis=-1).astype(jnp.int32)
     token = jnp.where(which >= 0, x[rows, jnp.maximum(which, 0)], drawn)
     return which, token
+
+
+def residual_after(res: jax.Array, qk: jax.Array) -> jax.Array:
+    """The target left after rejecting a draft from qk: max(normalize(res) - qk, 0)
+    (unnormalised), or res itself where that is empty (res == qk: the draft is never
+    rejected). res, qk [..., V]."""
+    total = res.sum(-1, keepdims=True)
+    nxt = jnp.maximum(res / jnp.maximum(total, 1e-30) - qk, 0.0)
+    return jnp.where(nxt.sum(-1, keepdims=True) > 0, nxt, res)
+
+
+def draft_chances(p: jax.Array, q: jax.Array, x: jax.Array, has: jax.Array
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`verify_drafts`'s cascade in expectation, for drafted tokens already drawn: against
+    target p [..., V], drafts x [..., K] from q [..., K, V] (where has [..., K]) returns each
+    draft's probability of being the accepted one [..., K], the probability that all are
+    rejected [...], and the final residual (unnormalised) [..., V], the distribution the
+    token is then drawn from. LoopAhead uses it with an early readout in place of p to decide
+    which children to pause and what to propose next."""
+    res = p
+    none = jnp.ones(p.shape[:-1], jnp.float32)
+    chances = []
+    for k in range(x.shape[-1]):
+        xk = x[..., k:k + 1]
+        r_x = (jnp.take_along_axis(res, xk, axis=-1)[..., 0]
+               / jnp.maximum(res.sum(-1), 1e-30))
+        q_x = jnp.take_along_axis(q[..., k, :], xk, axis=-1)[..., 0]
+        acc = jnp.where(has[..., k], jnp.minimum(1.0, r_x / jnp.maximum(q_x, 1e-30)), 0.0)
+        chances.append(none * acc)
+        none = none * (1.0 - acc)
+        res = jnp.where(has[..., k:k + 1], residual_after(res, q[..., k, :]), res)
+    return jnp.stack(chances, axis=-1), none, res
 
 
 @struct.dataclass
@@ -83,7 +113,7 @@ class LoopStats:
     advances: jax.Array  # [B] int32, node-loops (candidate advances) of the row
     verified: jax.Array  # [B] int32, full-depth verifications (= tokens emitted after the first)
     accepted: jax.Array  # [B] int32, drafted children that survived verification
-    accepted_second: jax.Array  # [B] int32, of which second drafts (LoopSpec's d2)
+    accepted_second: jax.Array  # [B] int32, of which second (d2) / drafter (LoopAhead) drafts
 
     @classmethod
     def zeros(cls, b: int) -> "LoopStats":

@@ -6,6 +6,9 @@ Greedy: candidate g's token j is accepted while it equals the model's argmax at 
 before it; the longest accepted prefix over all candidates wins (the first on ties). The
 model's own prediction after the last accepted token is emitted too, so a step always yields
 at least one token and a fully matched candidate yields N.
+
+Validity is per candidate ([B, G]: lookahead's pool) or per token ([B, G, N-1], a prefix of
+each candidate: prompt lookup's variable-length draft); an invalid token is never accepted.
 """
 
 from __future__ import annotations
@@ -27,10 +30,17 @@ class Verdict:
     count: jax.Array  # [B] int32, accepted + 1
 
 
+def token_validity(valid: jax.Array, n1: int) -> jax.Array:
+    """valid [B, G] (whole candidates) or [B, G, N-1] (per token) -> [B, G, N-1] bool."""
+    if valid.ndim == 3:
+        return valid
+    return jnp.broadcast_to(valid[:, :, None], (*valid.shape, n1))
+
+
 def verify_greedy(next0: jax.Array, cand_preds: jax.Array, cands: jax.Array,
                   valid: jax.Array) -> Verdict:
     """next0 [B]: argmax at the current token; cand_preds [B, G, N-1]: argmax at each
-    candidate token; cands [B, G, N-1]: the candidates; valid [B, G]."""
+    candidate token; cands [B, G, N-1]: the candidates; valid [B, G] or [B, G, N-1]."""
     b, g, n1 = cands.shape
     if g == 0:
         tokens = jnp.zeros((b, n1 + 1), jnp.int32).at[:, 0].set(next0)
@@ -38,7 +48,7 @@ def verify_greedy(next0: jax.Array, cand_preds: jax.Array, cands: jax.Array,
         return Verdict(zero, zero, tokens, zero + 1)
     expected = jnp.concatenate([jnp.broadcast_to(next0[:, None, None], (b, g, 1)),
                                 cand_preds[:, :, :-1]], axis=2)  # model's token at each slot
-    match = (cands == expected) & valid[:, :, None]
+    match = (cands == expected) & token_validity(valid, n1)
     lengths = jnp.cumprod(match, axis=2).sum(2).astype(jnp.int32)  # [B, G]
     best = jnp.argmax(lengths, axis=1).astype(jnp.int32)
     rows = jnp.arange(b)
@@ -64,7 +74,8 @@ def verify_sampling(key: jax.Array, sampling: Sampling, logits0: jax.Array,
     drawn from the target at the last one.
 
     logits0 [B, V]: at the current token; cand_logits [B, G, N-1, V]: at each candidate token;
-    cands [B, G, N-1]; valid [B, G].
+    cands [B, G, N-1]; valid [B, G] or [B, G, N-1] (a position where no surviving candidate
+    has a valid token draws from the residual, ending the step).
     """
     rows = jnp.arange(cands.shape[0])
 
@@ -93,7 +104,8 @@ def sampling_verdict(key: jax.Array, sampling: Sampling,
     u = jax.random.uniform(k_try, (b, n1, max(g, 1)))
     res_keys = jax.random.split(k_res, n1 + 1)
 
-    alive = valid
+    tok_valid = token_validity(valid, n1)  # [B, G, N-1]
+    alive = tok_valid[:, :, 0]
     accepted = jnp.zeros((b,), jnp.int32)
     stopped = jnp.zeros((b,), bool)
     final = jnp.zeros((b,), jnp.int32)
@@ -107,8 +119,8 @@ def sampling_verdict(key: jax.Array, sampling: Sampling,
             c = cands[:, gi, j]
             seen = jnp.zeros((b,), bool)
             for gp in range(gi):  # the same token is never tried twice at one position
-                seen = seen | (alive[:, gp] & (cands[:, gp, j] == c))
-            trial = alive[:, gi] & ~decided & ~seen
+                seen = seen | (alive[:, gp] & tok_valid[:, gp, j] & (cands[:, gp, j] == c))
+            trial = alive[:, gi] & tok_valid[:, gi, j] & ~decided & ~seen
             p_c = res[rows, c] / jnp.maximum(res.sum(-1), 1e-30)
             accept = trial & (u[:, j, gi] < p_c)
             reject = trial & ~accept
@@ -121,7 +133,8 @@ def sampling_verdict(key: jax.Array, sampling: Sampling,
         final = jnp.where(active & ~took, token_j, final)
         stopped = stopped | (active & ~took)
         accepted = accepted + took.astype(jnp.int32)
-        alive = jnp.where(took[:, None], alive & (cands[:, :, j] == token_j[:, None]), alive)
+        alive = jnp.where(took[:, None],
+                          alive & tok_valid[:, :, j] & (cands[:, :, j] == token_j[:, None]), alive)
         rep = jnp.argmax(alive, axis=1).astype(jnp.int32)
     last = n1 if g else 0
     probs = jax.nn.softmax(sampling.log_probs(logits_at(last, rep)), axis=-1)

@@ -2,7 +2,9 @@
 full-depth greedy token for token with native proposals only, with feedback scheduling on and
 off, with a budget, with a real (untrained) lookahead drafter, with an oracle drafter that
 knows the answer (then whole chains commit in one step and loops per token fall far below
-LoopSpec's) and with a drafter that is always wrong."""
+LoopSpec's) and with a drafter that is always wrong; the benchmark's ablations (drafter off,
+scheduling off); the sampling path at a near-zero temperature. (Sampling's distribution:
+tests/test_loopahead_sampling.py.)"""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import pytest
 from flax import nnx
 
 from lookahead_jax.engine import Engine
-from lookahead_jax.loopahead import LadDrafter, LoopAhead
+from lookahead_jax.generation import Output
+from lookahead_jax.loopahead import LadDrafter, LoopAhead, request_tokens
 from lookahead_jax.loopspec import LoopSpec
+from lookahead_jax.sampling import Sampling
 from models.looped import LoopedLM
 from test_looped import CONFIGS, _perturb_norms  # noqa: E402
 from test_loopspec import FACTOR, PROMPTS, agreeable  # noqa: E402
@@ -41,7 +45,7 @@ class TableDrafter:
         self.params = {"table": jnp.asarray(table, jnp.int32)}
         self.K = K
 
-    def draft(self, params, states, anchors, positions, mask):
+    def draft(self, params, states, anchors, positions, mask, **_):
         t = params["table"]
         idx = positions[:, -1:] + 2 + jnp.arange(self.K)[None]
         return jnp.take_along_axis(t, jnp.clip(idx, 0, t.shape[1] - 1), axis=1)
@@ -70,12 +74,51 @@ def test_native_only_equals_plain(engine, plain, kw):
     assert res.stats.extra["loops_per_token"] < engine.config.num_loops
 
 
-def test_untrained_drafter_equals_plain(engine, plain):
-    cfg = engine.config
-    net = LookaheadDrafter(DrafterShape(cfg.hidden_size, cfg.vocab_size, 32, 1, 2, 3, 50),
-                           rngs=nnx.Rngs(0))
-    drafter = LadDrafter(net, np.arange(0, 97, 2)[:50])
-    res = run(engine, LoopAhead(r1=1, r2=2, drafter=drafter, window=8))
+def untrained(cfg, head: str = "vocab") -> LadDrafter:
+    net = LookaheadDrafter(DrafterShape(cfg.hidden_size, cfg.vocab_size, 32, 1, 2, 3, 50,
+                                        head=head), rngs=nnx.Rngs(0))
+    return LadDrafter(net, np.arange(0, 97, 2)[:50])
+
+
+@pytest.mark.parametrize("head", ["vocab", "model"])
+def test_untrained_drafter_equals_plain(engine, plain, head):
+    """Head "model" also drafts from the request's own tokens (prompt, outputs, EOS)."""
+    res = run(engine, LoopAhead(r1=1, r2=2, drafter=untrained(engine.config, head), window=8))
+    assert res.tokens == plain
+
+
+def test_request_tokens():
+    """The drafter's extra vocabulary: the prompt's tokens, the outputs so far, EOS."""
+    out = Output(jnp.asarray([[7, 8, 0, 0], [9, 0, 0, 0]]), jnp.asarray([2, 1]),
+                 jnp.asarray([False, False]))
+    prompt = jnp.asarray([[5, 6, -1], [4, 3, 2]])
+    assert request_tokens(prompt, out, (1, 2)).tolist() == [[5, 6, -1, 7, 8, -1, -1, 1, 2],
+                                                           [4, 3, 2, 9, -1, -1, -1, 1, 2]]
+    assert request_tokens(prompt, out, ()).shape == (2, 7)
+
+
+WRONG_DRAFTER = TableDrafter((np.arange(64)[None] * 7 + np.arange(3)[:, None]) % 97, K=3)
+
+
+def test_wrong_drafter_and_ablations_equal_plain(engine, plain):
+    """A drafter that is always wrong, and the benchmark's ablations: scheduling off (no
+    suspension, no r2 proposal) with that drafter, and the drafter off (native proposals
+    only), all give plain greedy's tokens; without suspension more candidate advances go to
+    the wrong drafter's branches."""
+    on = run(engine, LoopAhead(r1=1, r2=2, drafter=WRONG_DRAFTER, window=8))
+    off = run(engine, LoopAhead(r1=1, r2=2, drafter=WRONG_DRAFTER, window=8, scheduling=False))
+    nodrafter = run(engine, LoopAhead(r1=1, r2=2, drafter=None))
+    assert on.tokens == plain and off.tokens == plain and nodrafter.tokens == plain
+    assert on.stats.extra["K"] == 3 and off.stats.extra["scheduling"] is False
+    assert off.stats.extra["advances"] > on.stats.extra["advances"]
+    assert nodrafter.stats.extra["K"] == 0 and nodrafter.stats.extra["drafter_accepted"] == 0
+
+
+def test_near_zero_temperature_is_greedy(engine, plain):
+    """The sampling path (drafter and feedback on) at temperature 1e-6 emits plain greedy's
+    tokens: under sampling the tree keeps exactly the accepted branch."""
+    res = engine.generate_ids(PROMPTS, method=LoopAhead(Sampling(1e-6), drafter=untrained(
+        engine.config), window=8), max_new_tokens=NEW, seed=5)
     assert res.tokens == plain
 
 
@@ -87,16 +130,10 @@ def test_oracle_drafter_commits_chains(engine, plain):
     assert st["loops_per_token"] < 0.7 * spec.stats.extra["loops_per_token"]
 
 
-def test_wrong_drafter_equals_plain(engine, plain):
-    wrong = TableDrafter((np.arange(64)[None] * 7 + np.arange(3)[:, None]) % 97, K=3)
-    res = run(engine, LoopAhead(r1=1, r2=2, drafter=wrong, window=8))
-    assert res.tokens == plain
-
-
 def test_cli_with_a_trained_drafter(tmp_path):
     """train_lad for the tiny_ouro preset (random weights, a few steps), then
-    `--method=loopahead --lad=<workdir>` emits plain decoding's tokens; the same drafter is
-    refused for a model of another shape."""
+    `--method=loopahead --lad=<workdir>` emits plain decoding's tokens, and samples with
+    `--temperature`; the same drafter is refused for a model of another shape."""
     import dataclasses  # noqa: PLC0415
     import json  # noqa: PLC0415
 
@@ -119,5 +156,12 @@ def test_cli_with_a_trained_drafter(tmp_path):
             outs[method] = json.load(f)["results"][0]
     assert outs["loopahead"]["tokens"] == outs["ar"]["tokens"]
     assert outs["loopahead"]["stats"]["extra"]["K"] == 3
+    path = tmp_path / "sampled.json"  # sampling with the drafter
+    res = run_inproc(config="tiny_ouro", ckpt="random", prompt_ids="5,6,7,8,9",
+                     method="loopahead", lad=str(lad), temperature=0.8, top_p=0.9, seed=3,
+                     max_new_tokens=8, json_out=str(path))
+    assert res.returncode == 0, res.stderr
+    with open(path) as f:
+        assert len(json.load(f)["results"][0]["tokens"]) == 8
     assert_error(run_inproc(config="tiny_raven", ckpt="random", prompt_ids="1,2",
                             method="loopahead", lad=str(lad)), "does not match", "family")

@@ -112,3 +112,48 @@ def test_mismatched_model_is_refused(model, tmp_path):
     assert base_fingerprint(other) != base_fingerprint(model)
     with pytest.raises(ConfigError, match="another looped model"):
         run(CFG, tmp_path / "x", model=other, progress_bar=False, log=lambda m: None)
+
+
+def test_model_head_scores_the_request_tokens(model, tmp_path):
+    """head="model": the drafter trains against the frozen model's output embedding (the loss
+    falls); at inference each drafted token is the argmax over the draft vocabulary plus the
+    extra tokens, of the same scores a full-vocabulary readout gives them, so tokens outside
+    the draft vocabulary (here: the prompt's) are drafted; a "vocab" head ignores them."""
+    from lookahead_jax.loopahead import LadDrafter  # noqa: PLC0415
+    from train_lad.model import output_embedding  # noqa: PLC0415
+    cfg = dataclasses.replace(CFG, head="model")
+    run(cfg, tmp_path / "m", model=model, progress_bar=False, log=lambda m: None)
+    losses = _losses(tmp_path / "m")
+    assert losses[8] < losses[1]
+    net, vocab = load_drafter(tmp_path / "m", cfg)
+    assert net.shape.head == "model" and len(vocab) <= 64
+    drafter = LadDrafter(net, vocab)
+    rng = np.random.default_rng(0)
+    b, w, e = 16, 6, CFG.model_hidden
+    states = jnp.asarray(rng.normal(size=(b, w, e)), jnp.float32)
+    anchors = jnp.asarray(rng.integers(0, 97, (b, w)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((w, w), bool)), (b, w, w))
+    extra = jnp.asarray(np.where(rng.random((b, 12)) < 0.8, rng.integers(0, 97, (b, 12)), -1),
+                        jnp.int32)
+    table = output_embedding(model)
+    got = np.asarray(drafter.draft(drafter.params, states, anchors, pos, mask, extra_ids=extra,
+                                   out_embedding=table))
+    full = np.asarray(jnp.einsum("bke,ev->bkv", net.features(states, anchors, pos, mask)[:, -1],
+                                 table))  # [B, K, V]: every token's score
+    for i in range(b):
+        allowed = np.zeros(97, bool)
+        allowed[np.asarray(vocab)] = True
+        allowed[[t for t in np.asarray(extra[i]) if t >= 0]] = True
+        want = np.where(allowed[None], full[i], -np.inf).argmax(-1)
+        assert got[i].tolist() == want.tolist()
+    outside = ~np.isin(got, np.asarray(vocab))
+    assert outside.any()  # drafted from the extra tokens
+    from train_lad.model import DrafterShape, LookaheadDrafter  # noqa: PLC0415
+    own = LadDrafter(LookaheadDrafter(DrafterShape(e, 97, 32, 1, 2, 2, len(vocab)),
+                                      rngs=nnx.Rngs(0)), vocab)
+    plain = own.draft(own.params, states, anchors, pos, mask)
+    with_extra = own.draft(own.params, states, anchors, pos, mask, extra_ids=extra,
+                           out_embedding=table)
+    assert with_extra.tolist() == plain.tolist()
+    assert np.isin(np.asarray(plain), np.asarray(vocab)).all()

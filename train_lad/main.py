@@ -125,8 +125,13 @@ def run(cfg: lad_config.LadConfig, workdir, *, ckpt: str | None = None, log=prin
     np.save(workdir / "draft_vocab.npy", vocab)
     (workdir / "lad_config.json").write_text(json.dumps(
         {**dataclasses.asdict(cfg), "base": fingerprint}, indent=1) + "\n")
+    out_embedding = None
+    if cfg.head == "model":
+        from train_lad.model import output_embedding  # noqa: PLC0415
+        out_embedding = np.asarray(output_embedding(model), np.float32)
     summary = train(cfg, data, vocab, workdir, base_fingerprint=fingerprint, log=log,
-                    progress_bar=progress_bar, max_steps_now=max_steps_now)
+                    progress_bar=progress_bar, max_steps_now=max_steps_now,
+                    out_embedding=out_embedding)
     log(json.dumps(summary))
     return summary
 

@@ -6,6 +6,17 @@ drafter's width, plus the embedding of the anchor a_t (the model's native propos
 t + 1, the argmax of its readout at that depth). Output at t: K distributions over the draft
 vocabulary for tokens t + 2 .. t + K + 1 (the K tokens after the anchor). Causal, so one pass
 over a sequence trains (or drafts at) every position.
+
+Two output heads (`DrafterShape.head`):
+
+- "vocab": a trained matrix with one column per draft-vocabulary token. It has no logit for
+  any other token, so the draft vocabulary is fixed at training.
+- "model": per k, a vector in the looped model's hidden space, scored against the frozen
+  model's own output embedding (`output_embedding`: its lm_head, or its tied token embedding)
+  at the columns of the tokens asked for. Every token id then has a meaningful logit (the
+  output embedding was trained over the whole vocabulary), so at inference the draft
+  vocabulary can take in the prompt's tokens, EOS and the committed outputs; training scores
+  the draft vocabulary's columns only.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ class DrafterShape:
     num_heads: int
     K: int
     draft_vocab: int
+    head: str = "vocab"  # "vocab" | "model" (see the module docstring)
 
     def block_config(self) -> LlamaConfig:
         return LlamaConfig(vocab_size=self.draft_vocab, hidden_size=self.hidden_size,
@@ -51,17 +63,42 @@ class LookaheadDrafter(nnx.Module):
         self.layers = nnx.List([DecoderLayer(blk, dtype=dtype, rngs=rngs)
                                 for _ in range(shape.num_layers)])
         self.norm = RMSNorm(shape.hidden_size, 1e-6, dtype=dtype)
-        self.heads = nnx.Linear(shape.hidden_size, shape.K * shape.draft_vocab, dtype=dtype,
+        width = shape.draft_vocab if shape.head == "vocab" else shape.state_size
+        self.heads = nnx.Linear(shape.hidden_size, shape.K * width, dtype=dtype,
                                 param_dtype=dtype, rngs=rngs)
 
-    def __call__(self, states: jax.Array, anchors: jax.Array, positions: jax.Array,
+    def features(self, states: jax.Array, anchors: jax.Array, positions: jax.Array,
                  mask: jax.Array) -> jax.Array:
         """states [B,T,E_model]; anchors, positions [B,T] int32; mask [B,T,T] bool (causal).
-        Returns logits [B,T,K,Vd] float32: token t + 1 + k (k = 1..K) over the draft vocab."""
+        Returns [B,T,K,F] float32 for tokens t + 1 + k (k = 1..K): head "vocab", the logits
+        over the draft vocabulary (F = Vd); head "model", vectors to score against the looped
+        model's output embedding (F = E_model)."""
         x = self.state_proj(self.state_norm(states)) + self.anchor_embed(anchors)
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.block_cfg))
         for layer in self.layers:
             x, _ = layer(x, cos, sin, mask, None, None, dot_product_attention)
         b, t, _ = x.shape
-        logits = self.heads(self.norm(x)).astype(jnp.float32)
-        return logits.reshape(b, t, self.shape.K, self.shape.draft_vocab)
+        return self.heads(self.norm(x)).astype(jnp.float32).reshape(b, t, self.shape.K, -1)
+
+    def __call__(self, states: jax.Array, anchors: jax.Array, positions: jax.Array,
+                 mask: jax.Array, out_emb: jax.Array | None = None) -> jax.Array:
+        """As `features`; returns logits [B,T,K,Vd] float32 over the draft vocabulary. Head
+        "model" needs out_emb [E_model, Vd]: the output embedding's draft-vocabulary columns."""
+        f = self.features(states, anchors, positions, mask)
+        if self.shape.head == "vocab":
+            return f
+        return jnp.einsum("btke,ev->btkv", f, out_emb.astype(jnp.float32))
+
+
+def output_embedding(model) -> jax.Array:
+    """A looped model's output embedding [E, V] float32 (the readout's logits are the last
+    hidden state times it): its lm_head kernel, or with tied embeddings its token embedding
+    (transposed), divided by its mean column norm, so that a head "model" drafter's scores
+    start at a useful scale whatever the model's. Training and decoding both use this."""
+    if model.lm_head is not None:
+        w = model.lm_head.kernel.get_value()
+    else:
+        table = model.embed_tokens if model.config.family == "ouro" else model.wte
+        w = table.embedding.get_value().T
+    w = w.astype(jnp.float32)
+    return w / jnp.maximum(jnp.linalg.norm(w, axis=0).mean(), 1e-12)

@@ -36,7 +36,8 @@ from train_lad.model import DrafterShape, LookaheadDrafter
 def drafter_shape(cfg: LadConfig, draft_vocab: int) -> DrafterShape:
     return DrafterShape(state_size=cfg.model_hidden, vocab_size=cfg.model_vocab,
                         hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
-                        num_heads=cfg.num_heads, K=cfg.K, draft_vocab=draft_vocab)
+                        num_heads=cfg.num_heads, K=cfg.K, draft_vocab=draft_vocab,
+                        head=cfg.head)
 
 
 def targets(tokens: jax.Array, native: jax.Array, table: jax.Array, prompt_len: int, K: int
@@ -60,11 +61,12 @@ def causal(b: int, t: int) -> jax.Array:
     return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
 
 
-def forward(model: LookaheadDrafter, batch: dict) -> jax.Array:
+def forward(model: LookaheadDrafter, batch: dict, out_emb: jax.Array | None) -> jax.Array:
+    """out_emb [E_model, Vd]: head "model"'s output-embedding columns (None for "vocab")."""
     states = batch["states"].astype(jnp.float32)
     b, t = batch["tokens"].shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    return model(states, batch["native"], pos, causal(b, t))
+    return model(states, batch["native"], pos, causal(b, t), out_emb)
 
 
 def accepted_prefix(logits, tgt, valid, anchor_ok, counted_len):
@@ -76,9 +78,9 @@ def accepted_prefix(logits, tgt, valid, anchor_ok, counted_len):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "tx", "prompt_len", "K"))
-def train_step(params, opt_state, batch, table, *, graphdef, tx, prompt_len, K):
+def train_step(params, opt_state, batch, table, out_emb, *, graphdef, tx, prompt_len, K):
     def loss_fn(p):
-        logits = forward(nnx.merge(graphdef, p), batch)
+        logits = forward(nnx.merge(graphdef, p), batch, out_emb)
         tgt, valid, _ = targets(batch["tokens"], batch["native"], table, prompt_len, K)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, tgt)
         return (ce * valid).sum() / jnp.maximum(valid.sum(), 1)
@@ -89,8 +91,8 @@ def train_step(params, opt_state, batch, table, *, graphdef, tx, prompt_len, K):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len", "K"))
-def eval_step(params, batch, table, *, graphdef, prompt_len, K):
-    logits = forward(nnx.merge(graphdef, params), batch)
+def eval_step(params, batch, table, out_emb, *, graphdef, prompt_len, K):
+    logits = forward(nnx.merge(graphdef, params), batch, out_emb)
     tgt, valid, anchor_ok = targets(batch["tokens"], batch["native"], table, prompt_len, K)
     b, t = batch["tokens"].shape
     pos = jnp.arange(t)
@@ -98,13 +100,14 @@ def eval_step(params, batch, table, *, graphdef, prompt_len, K):
     return accepted_prefix(logits, tgt, valid, anchor_ok, n)
 
 
-def evaluate(params, graphdef, data: dict, table, cfg: LadConfig, batch_size: int = 32) -> float:
+def evaluate(params, graphdef, data: dict, table, cfg: LadConfig, batch_size: int = 32,
+             out_emb: jax.Array | None = None) -> float:
     """Average accepted prefix length (anchor included) over a split."""
     total = count = 0.0
     for i in range(0, len(data["tokens"]), batch_size):
         batch = {k: jnp.asarray(v[i:i + batch_size]) for k, v in data.items()}
-        s, n = eval_step(params, batch, table, graphdef=graphdef, prompt_len=cfg.prompt_len,
-                         K=cfg.K)
+        s, n = eval_step(params, batch, table, out_emb, graphdef=graphdef,
+                         prompt_len=cfg.prompt_len, K=cfg.K)
         total += float(s)
         count += float(n)
     return total / max(count, 1.0)
@@ -180,16 +183,23 @@ def check_workdir(workdir, base_fingerprint: dict) -> None:
 
 def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdir, *,
           base_fingerprint: dict, log=print, progress_bar: bool = True,
-          max_steps_now: int | None = None) -> dict:
+          max_steps_now: int | None = None, out_embedding: np.ndarray | None = None) -> dict:
     """Trains (or resumes) a drafter on `data` (split -> tokens/states/native arrays).
 
     base_fingerprint: what identifies the frozen model (its config and a weights digest);
     a workdir made with another model is refused. max_steps_now: stop after this many steps
-    of this call (saving a checkpoint, as Ctrl-C does); the next call resumes. Returns a
-    summary dict."""
+    of this call (saving a checkpoint, as Ctrl-C does); the next call resumes.
+    out_embedding [E_model, V]: the frozen model's output embedding (`head="model"` only).
+    Returns a summary dict."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     table = jnp.asarray(_table(draft_vocab, cfg.model_vocab))
+    out_emb = None
+    if cfg.head == "model":
+        if out_embedding is None:
+            raise ConfigError(f"lad config {cfg.name}: head=model needs the looped model's "
+                              f"output embedding")
+        out_emb = jnp.asarray(np.asarray(out_embedding, np.float32)[:, draft_vocab])
     model = LookaheadDrafter(drafter_shape(cfg, len(draft_vocab)), rngs=nnx.Rngs(cfg.seed))
     graphdef, params = nnx.split(model)
     tx = make_tx(cfg)
@@ -227,14 +237,14 @@ def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdi
             rng = np.random.default_rng([cfg.seed, prog.step])
             idx = rng.choice(n, size=min(cfg.batch_size, n), replace=False)
             batch = {k: jnp.asarray(v[idx]) for k, v in train_d.items()}
-            params, opt_state, loss = train_step(params, opt_state, batch, table,
+            params, opt_state, loss = train_step(params, opt_state, batch, table, out_emb,
                                                  graphdef=graphdef, tx=tx,
                                                  prompt_len=cfg.prompt_len, K=cfg.K)
             prog.step += 1
             record: dict[str, Any] = {"step": prog.step, "loss": float(loss),
                                       "elapsed_s": time.perf_counter() - t0}
             if prog.step % cfg.eval_every == 0 or prog.step == cfg.steps:
-                dev = evaluate(params, graphdef, data["dev"], table, cfg)
+                dev = evaluate(params, graphdef, data["dev"], table, cfg, out_emb=out_emb)
                 record["dev_accepted_prefix"] = dev
                 meta = {"step": prog.step, "base": base_fingerprint}
                 if dev > prog.best_dev:
@@ -260,7 +270,7 @@ def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdi
     summary = {"step": prog.step, "best_step": prog.best_step, "dev_accepted_prefix": prog.best_dev}
     if "confirm" in data and len(data["confirm"]["tokens"]):
         summary["confirm_accepted_prefix"] = evaluate(best_params, graphdef, data["confirm"],
-                                                      table, cfg)
+                                                      table, cfg, out_emb=out_emb)
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 

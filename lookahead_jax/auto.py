@@ -1,0 +1,215 @@
+"""Automatic W, N, G: the settings the scaling law and this device's step cost predict fastest.
+
+Lookahead decoding's speed-up over plain decoding is S / c: S tokens per step (the scaling
+law, `lookahead_jax.scaling_law`, with (a, f) fitted to a measured sweep) at a step cost of
+c plain steps (the step-cost curve, `lookahead_jax.step_cost`: one forward pass of T tokens
+against one of a single token, measured on the current device at the current cache length).
+On a GPU a 100-token step costs little more than a 1-token one and wide windows pay; on a
+small CPU cost grows with T and small settings win. `choose_settings` measures the curve,
+ranks a grid of (W, N, G = W) candidates by predicted speed-up and returns the best:
+
+    choice = choose_settings(engine, prompt_len=40, max_new_tokens=128)
+    print(choice.report())
+    engine.generate_ids([ids], lookahead=choice.config)
+
+The candidates keep G = W, as the paper's settings do: the law has no W term (W only fills
+the n-gram pool that the G candidates are drawn from), so letting G run free of W would make
+it prefer W = 1 with many candidates, which a real pool cannot feed.
+`python -m lookahead_jax.decode --auto` does the same and prints the report on stderr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Iterable, Mapping, Sequence
+
+from lookahead_jax.config import LookaheadConfig
+from lookahead_jax.scaling_law import DEFAULT_FIT, REPO, STORED_FIT, ScalingFit, load_fit
+from lookahead_jax.step_cost import relative_cost
+from models.config import ConfigError
+
+GRID_W = (1, 2, 3, 4, 5, 7, 10, 15, 20)
+GRID_N = (3, 4, 5, 6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One ranked setting: its tokens per step (per device), predicted S, step cost in
+    one-token steps, and predicted speed-up S / cost over plain decoding."""
+
+    W: int
+    N: int
+    G: int
+    tokens: int
+    S: float
+    cost: float
+    speedup: float
+
+    @property
+    def label(self) -> str:
+        return f"({self.W},{self.N},{self.G})"
+
+
+@dataclasses.dataclass
+class AutoChoice:
+    """The chosen settings and why: every candidate ranked (best first), the fit and the
+    step-cost curve (tokens -> seconds) behind the ranking, and the cache length measured at."""
+
+    config: LookaheadConfig
+    candidates: list[Candidate]
+    fit: ScalingFit
+    step_costs: dict[int, float]
+    cache_len: int
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    def report(self, top: int = 5) -> str:
+        """A few lines: the choice, the fit and curve it rests on, the best `top` candidates."""
+        b = self.best
+        ts = sorted(self.step_costs)
+        mono = monotone_costs(self.step_costs)
+        curve = ", ".join(f"{t}: {mono[t] / mono[ts[0]]:.2f}" for t in ts)
+        lines = [f"auto: lookahead W={b.W} N={b.N} G={b.G}: predicted S {b.S:.2f} at a step "
+                 f"cost of {b.cost:.2f} one-token steps ({b.tokens} tokens) -> predicted "
+                 f"speed-up {b.speedup:.2f}x over plain decoding",
+                 f"auto: scaling law a={self.fit.a:.3f} f={self.fit.f:.2f} "
+                 f"({self.fit.source or 'given'}); step cost at cache length {self.cache_len}, "
+                 f"tokens: x one-token step = {curve}"]
+        if b.speedup < 1:
+            lines.append("auto: no lookahead setting is predicted faster than plain decoding "
+                         "on this device (--method=ar is)")
+        lines.append("auto: best candidates: " + "; ".join(
+            f"{c.label} S {c.S:.2f} / cost {c.cost:.2f} = {c.speedup:.2f}x"
+            for c in self.candidates[:top]))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": dataclasses.asdict(self.config), "fit": self.fit.to_dict(),
+                "step_cost_s": {str(k): v for k, v in self.step_costs.items()},
+                "cache_len": self.cache_len,
+                "candidates": [dataclasses.asdict(c) for c in self.candidates]}
+
+
+def candidate_grid(Ws: Iterable[int] = GRID_W, Ns: Iterable[int] = GRID_N,
+                   Gs: Iterable[int] | None = None) -> list[tuple[int, int, int]]:
+    """(W, N, G) candidates: every W x N, with G = W (or every G in `Gs` when given)."""
+    out = []
+    for n in Ns:
+        for w in Ws:
+            for g in (Gs if Gs is not None else (w,)):
+                out.append((int(w), int(n), int(g)))
+    if not out:
+        raise ConfigError("auto: the candidate grid is empty")
+    for w, n, g in out:
+        LookaheadConfig(W=w, N=n, G=g)  # raises ConfigError on an invalid setting
+    return out
+
+
+def step_tokens(W: int, N: int, G: int, devices: int = 1) -> int:
+    """Tokens one step feeds each device: (N-1)(W+G) (`StepLayout.size`), or with lookahead
+    parallelism a device's share plus the N-1 re-fed accepted tokens."""
+    if devices <= 1:
+        return (N - 1) * (W + G)
+    from lookahead_jax.layout import ShardedLayout  # noqa: PLC0415
+    return ShardedLayout(W, N, G, devices).size + N - 1
+
+
+def monotone_costs(step_costs: Mapping[int, float]) -> dict[int, float]:
+    """The curve made non-decreasing in T: cost(T) = min over measured T' >= T (a step of
+    fewer tokens never costs more than a wider one, which could be padded to it); this removes
+    timing spikes at small T, which would otherwise inflate every step's relative cost."""
+    if not step_costs:
+        raise ConfigError("auto: the step-cost curve is empty")
+    costs = {int(t): float(c) for t, c in step_costs.items()}
+    if any(t < 1 or not c > 0 for t, c in costs.items()):
+        raise ConfigError("auto: step costs need token counts >= 1 and times > 0")
+    out, low = {}, float("inf")
+    for t in sorted(costs, reverse=True):
+        low = min(low, costs[t])
+        out[t] = low
+    return dict(sorted(out.items()))
+
+
+def rank(fit: ScalingFit, step_costs: Mapping[int, float],
+         grid: Sequence[tuple[int, int, int]], *, devices: int = 1) -> list[Candidate]:
+    """Candidates sorted by predicted speed-up S(W, N, G) / cost(tokens), best first (ties:
+    fewer tokens first). step_costs: tokens per step -> seconds (or any unit), smallest
+    measured T as the unit (T = 1 when measured), made non-decreasing (`monotone_costs`)."""
+    costs = monotone_costs(step_costs)
+    out = []
+    for w, n, g in grid:
+        t = step_tokens(w, n, g, devices)
+        s = float(fit.predict_S(w, n, g))
+        c = relative_cost(costs, t)
+        out.append(Candidate(w, n, g, t, s, c, s / c))
+    out.sort(key=lambda c: (-c.speedup, c.tokens, c.W, c.N))
+    return out
+
+
+def tokens_to_measure(grid: Sequence[tuple[int, int, int]], devices: int = 1) -> list[int]:
+    """Token counts at which to measure the step-cost curve: 1, the powers of two below the
+    widest candidate, and the widest candidate itself (interpolated in between)."""
+    widest = max(step_tokens(w, n, g, devices) for w, n, g in grid)
+    ts = {1, widest}
+    t = 2
+    while t < widest:
+        ts.add(t)
+        t *= 2
+    return sorted(ts)
+
+
+def resolve_fit(fit: ScalingFit | str | None) -> ScalingFit:
+    """A ScalingFit, a path to a JSON fit (`scaling_law.save_fits`), or None: the pooled fit
+    of the repository's benchmarks/results/scaling_fit.json when present (the last
+    `benchmarks.suite --sweep`), else DEFAULT_FIT (our stored SmolLM2 runs)."""
+    if fit is None:
+        stored = os.path.join(REPO, STORED_FIT)
+        if not os.path.exists(stored):
+            return DEFAULT_FIT
+        fit = stored
+    if isinstance(fit, ScalingFit):
+        return fit
+    try:
+        return load_fit(fit)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def choose_settings(engine, *, prompt_len: int = 64, max_new_tokens: int = 128,
+                    fit: ScalingFit | str | None = None,
+                    grid: Sequence[tuple[int, int, int]] | None = None,
+                    base: LookaheadConfig | None = None,
+                    step_costs: Mapping[int, float] | None = None,
+                    repeats: int = 5) -> AutoChoice:
+    """Measures the step-cost curve of `engine`'s model on the current device (unless
+    `step_costs` is given), ranks `grid` (default `candidate_grid()`) with `fit` (a
+    ScalingFit or a JSON path; default `resolve_fit(None)`) and returns the fastest predicted.
+
+    The curve is measured at cache length prompt_len + max_new_tokens // 2 (the middle of a
+    generation). The chosen config keeps `base`'s other fields (pool, prompt seeding;
+    default: engine.lookahead, else LookaheadConfig's defaults)."""
+    from lookahead_jax.step_cost import measure_step_cost  # noqa: PLC0415
+    fit = resolve_fit(fit)
+    grid = list(grid) if grid is not None else candidate_grid()
+    if not grid:
+        raise ConfigError("auto: the candidate grid is empty")
+    devices = getattr(engine, "devices", 1) or 1
+    limit = engine.config.max_position_embeddings
+    fitting = [c for c in grid if step_tokens(*c) <= limit]
+    if not fitting:
+        raise ConfigError(f"auto: no candidate's step fits the model's {limit} positions")
+    cache_len = max(1, int(prompt_len) + int(max_new_tokens) // 2)
+    if step_costs is None:
+        step_costs = measure_step_cost(engine.graphdef, engine.params,
+                                       tokens_to_measure(fitting, devices),
+                                       cache_len=cache_len, repeats=repeats)
+    ranked = rank(fit, step_costs, fitting, devices=devices)
+    base = base or getattr(engine, "lookahead", None) or LookaheadConfig()
+    b = ranked[0]
+    pool_slots = base.pool_slots if base.pool_slots == 0 or base.pool_slots >= b.G else 0
+    config = dataclasses.replace(base, W=b.W, N=b.N, G=b.G, pool_slots=pool_slots)
+    return AutoChoice(config, ranked, fit, {int(k): float(v) for k, v in step_costs.items()},
+                      cache_len)

@@ -1,0 +1,162 @@
+"""Automatic W, N, G (`lookahead_jax.auto`, `decode --auto`): the ranking under synthetic
+step-cost curves, and the CLI flag end to end on the tiny random Llama."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from lookahead_jax import auto
+from lookahead_jax.config import LookaheadConfig
+from lookahead_jax.scaling_law import ScalingFit
+from models.config import ConfigError
+
+FIT = ScalingFit(a=0.5, f=2.0)
+GRID = auto.candidate_grid((1, 2, 3, 5, 7, 10, 15), (3, 4, 5))
+
+
+def curve(per_token: float, widest: int = 256) -> dict[int, float]:
+    """A step-cost curve: 1 + per_token * (T - 1), in one-token steps."""
+    return {t: 1.0 + per_token * (t - 1) for t in (1, 2, 4, 8, 16, 32, 64, 128, widest)}
+
+
+def test_flat_curve_picks_the_widest_settings():
+    ranked = auto.rank(FIT, curve(0.0), GRID)
+    best = ranked[0]
+    assert (best.W, best.N, best.G) == (15, 5, 15)
+    assert best.cost == pytest.approx(1.0)
+    assert best.speedup == pytest.approx(FIT.predict_S(15, 5, 15))
+    assert [c.speedup for c in ranked] == sorted((c.speedup for c in ranked), reverse=True)
+
+
+def test_steep_curve_picks_small_settings():
+    ranked = auto.rank(FIT, curve(1.0), GRID)  # cost grows as fast as the tokens
+    best = ranked[0]
+    assert best.W == 1 and best.N == 3
+    assert best.tokens == 4
+    assert best.speedup < 1  # plain decoding would be faster: the report says so
+
+
+def test_moderate_curve_peaks_in_between():
+    """A GPU-like curve, flat up to 64 tokens then linear: a mid-size window wins."""
+    costs = {t: max(1.0, t / 64) for t in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    best = auto.rank(FIT, costs, GRID)[0]
+    assert 1 < best.W < 15 and best.tokens <= 64
+
+
+def test_step_tokens_matches_layout():
+    from lookahead_jax.layout import StepLayout
+    for w, n, g in [(1, 3, 1), (15, 5, 15), (4, 3, 0)]:
+        assert auto.step_tokens(w, n, g) == StepLayout(w, n, g).size
+        assert auto.step_tokens(w, n, g) == LookaheadConfig(W=w, N=n, G=g).step_tokens
+    assert auto.step_tokens(15, 5, 15, devices=2) < auto.step_tokens(15, 5, 15)
+
+
+def test_candidate_grid_and_measure_points():
+    assert auto.candidate_grid((1, 3), (4,)) == [(1, 4, 1), (3, 4, 3)]
+    assert auto.candidate_grid((2,), (3,), Gs=(0, 2)) == [(2, 3, 0), (2, 3, 2)]
+    assert auto.tokens_to_measure([(15, 5, 15)]) == [1, 2, 4, 8, 16, 32, 64, 120]
+    with pytest.raises(ConfigError, match="empty"):
+        auto.candidate_grid((), (3,))
+    with pytest.raises(ConfigError, match="N"):
+        auto.candidate_grid((1,), (1,))
+
+
+def test_rank_rejects_bad_curves():
+    with pytest.raises(ConfigError, match="empty"):
+        auto.rank(FIT, {}, GRID)
+    with pytest.raises(ConfigError, match="> 0"):
+        auto.rank(FIT, {1: 0.0, 8: 1.0}, GRID)
+
+
+def test_choose_settings_with_a_given_curve_keeps_base_fields():
+    class FakeEngine:  # choose_settings only reads these when the curve is given
+        class config:
+            max_position_embeddings = 512
+        lookahead = LookaheadConfig(W=4, N=3, G=4, prompt_seeding=True, pool_slots=4)
+        devices = 1
+
+    choice = auto.choose_settings(FakeEngine(), step_costs=curve(0.0), fit=FIT,
+                                  grid=auto.candidate_grid((2, 5), (3,)))
+    assert (choice.config.W, choice.config.N, choice.config.G) == (5, 3, 5)
+    assert choice.config.prompt_seeding
+    assert choice.config.pool_slots == 0  # base's 4 slots < G = 5: reset to the default (G)
+    text = choice.report(top=2)
+    assert "W=5 N=3 G=5" in text and "predicted speed-up" in text
+    json.dumps(choice.to_dict())
+    slow = auto.choose_settings(FakeEngine(), step_costs=curve(1.0), fit=FIT,
+                                grid=auto.candidate_grid((2, 5), (3,)))
+    assert "--method=ar" in slow.report()
+    assert slow.config.pool_slots == 4  # 4 >= G = 2: kept
+
+
+def test_resolve_fit(tmp_path):
+    import os
+
+    from lookahead_jax.scaling_law import DEFAULT_FIT, REPO, STORED_FIT, load_fit, save_fits
+    stored = os.path.join(REPO, STORED_FIT)
+    assert auto.resolve_fit(None) == (load_fit(stored) if os.path.exists(stored)
+                                      else DEFAULT_FIT)
+    path = save_fits(str(tmp_path / "fit.json"), {"all": FIT})
+    assert (auto.resolve_fit(path).a, auto.resolve_fit(path).f) == (FIT.a, FIT.f)
+    assert path in auto.resolve_fit(path).source
+    with pytest.raises(ConfigError, match="no such file"):
+        auto.resolve_fit(str(tmp_path / "missing.json"))
+
+
+# -- the CLI, end to end on tiny_llama -----------------------------------------------------------
+def run_inproc(**options):
+    from lookahead_jax import decode
+    out, err = io.StringIO(), io.StringIO()
+    code = decode.run(decode.Options(**options), stdin=io.StringIO(""), stdout=out, stderr=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_cli_auto_end_to_end(tmp_path):
+    json_out = tmp_path / "out.json"
+    code, out, err = run_inproc(config="tiny_llama", prompt_ids="1,5,9,13,17", auto=True,
+                                max_new_tokens=6, W=2, json_out=str(json_out))
+    assert code == 0, err
+    assert "auto: lookahead W=2" in err and "best candidates" in err
+    assert len(out.split()) >= 1
+    data = json.loads(json_out.read_text())
+    assert data["lookahead"]["W"] == 2
+    assert data["auto"]["config"]["W"] == 2
+
+
+def test_cli_auto_with_a_stored_fit(tmp_path):
+    from lookahead_jax.scaling_law import save_fits
+    path = save_fits(str(tmp_path / "fit.json"), {"all": FIT})
+    code, _, err = run_inproc(config="tiny_llama", prompt_ids="1,2,3", auto=True, auto_fit=path,
+                              max_new_tokens=4, W=1, N=3)
+    assert code == 0, err
+    assert "a=0.500 f=2.00" in err and "W=1 N=3" in err
+
+
+@pytest.mark.parametrize("options,fragment", [
+    (dict(method="ar"), "--auto"),
+    (dict(auto_fit="/nonexistent/fit.json"), "no such file"),
+    (dict(auto_fit="x.json", auto=False), "--auto_fit"),
+])
+def test_cli_auto_errors(options, fragment):
+    opts = dict(config="tiny_llama", prompt_ids="1,2,3", auto=True, max_new_tokens=4)
+    opts.update(options)
+    code, _, err = run_inproc(**opts)
+    assert code == 2
+    assert "error:" in err and fragment in err, err
+
+
+def test_cli_auto_rejects_looped_presets():
+    code, _, err = run_inproc(config="tiny_ouro", prompt_ids="1,2,3", auto=True,
+                              max_new_tokens=4)
+    assert code == 2 and "--auto" in err, err
+
+
+def test_monotone_costs_removes_small_t_spikes():
+    noisy = {1: 5.0, 2: 1.1, 4: 1.0, 8: 1.3, 16: 1.2, 32: 2.0}
+    assert auto.monotone_costs(noisy) == {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.2, 16: 1.2, 32: 2.0}
+    ranked = {c.label: c for c in auto.rank(FIT, noisy, [(1, 3, 1), (3, 3, 3)])}
+    assert ranked["(1,3,1)"].cost == pytest.approx(1.0)  # 4 tokens, not 5x the spike at T=1
+    assert ranked["(3,3,3)"].cost == pytest.approx(1.2)  # 12 tokens, between 8 and 16

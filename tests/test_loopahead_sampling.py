@@ -1,0 +1,149 @@
+"""LoopAhead sampling keeps the exact distribution: a chi-square test of the joint of the first
+3 emitted tokens of 10,000 samples against the exact full-depth distribution, enumerated from
+a 6-token, 3-loop Ouro (the model and the enumeration of test_loopspec), with native
+proposals only and with a drafter whose chains are verified too, scheduling on and off;
+the same test catches planted wrong acceptance rules (the inverted ratio min(1, q/p), no
+residual between drafts). (At a near-zero temperature the sampling path emits
+plain greedy's tokens: tests/test_loopahead.py.)"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lookahead_jax.generation import pad_prompts
+from lookahead_jax.loopahead import LoopAhead
+from lookahead_jax.loopspec import draft_chances, verify_drafts
+from test_loopspec import (ALPHA, NEW, PROMPT, SAMPLES, SAMPLING_CFG,  # noqa: E402,F401
+                           SETTINGS, V, WRONG_P, check, exact_probs, small_model)
+
+K = 2
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _generate(method, graphdef, params, tokens, lengths, cache, key):
+    params = method.bundle_params(params)
+    state = method.init(graphdef, params, tokens, lengths, cache, key, max_new_tokens=NEW,
+                        eos_ids=(), vocab_size=V)
+    return method.run(graphdef, params, state, jnp.asarray(8 * NEW, jnp.int32), eos_ids=())
+
+
+class AnchorTableDrafter:
+    """A deterministic drafter: the K tokens after anchor a are table[a] [K]."""
+
+    def __init__(self, table: np.ndarray):
+        self.params = {"table": jnp.asarray(table, jnp.int32)}
+        self.K = table.shape[1]
+
+    def draft(self, params, states, anchors, positions, mask, **_):
+        return params["table"][anchors[:, -1]]
+
+
+@pytest.fixture(scope="module")
+def drafter(exact_probs) -> AnchorTableDrafter:
+    """After anchor a (a draft of token 2) it proposes the likeliest token 3 given token 2 = a
+    (so its chains are often, not always, accepted), then token 0."""
+    joint = exact_probs(SETTINGS["t1"])  # [V, V, V]
+    table = np.zeros((V, K), np.int32)
+    table[:, 0] = joint.sum(0).argmax(-1)
+    return AnchorTableDrafter(table)
+
+
+@pytest.fixture(scope="module")
+def draw(small_model, drafter):
+    graphdef, params = nnx.split(small_model)
+
+    @functools.lru_cache(maxsize=None)
+    def get(sampling, use_drafter=True, scheduling=True, verifier=verify_drafts):
+        method = LoopAhead(sampling, r1=1, r2=2, drafter=drafter if use_drafter else None,
+                           scheduling=scheduling, window=8, verifier=verifier)
+        tokens, lengths = pad_prompts([PROMPT] * SAMPLES)
+        cap = method.tree_capacity(SAMPLING_CFG.num_loops)
+        cache = small_model.init_cache(SAMPLES, tokens.shape[1] + NEW + cap)
+        state = _generate(method, graphdef, params, jnp.asarray(tokens), jnp.asarray(lengths),
+                          cache, jax.random.key(0))
+        assert (np.asarray(state.out.count) == NEW).all()
+        return np.asarray(state.out.tokens), method.summary(state)
+    return get
+
+
+@pytest.mark.parametrize("name,use_drafter,scheduling",
+                         [("t1", True, True), ("topk4", False, True), ("t1", True, False)],
+                         ids=["t1", "topk4_nodrafter", "t1_noscheduling"])
+def test_sampling_is_exact(name, use_drafter, scheduling, draw, exact_probs):
+    tokens, stats = draw(SETTINGS[name], use_drafter, scheduling)
+    p, outside = check(exact_probs(SETTINGS[name]), tokens, name, stats)
+    assert outside == 0
+    assert p > ALPHA, f"{name}: chi-square p = {p:.3g}"
+    # not vacuous: tokens 2 and 3 were verified, drafts often accepted and often rejected
+    assert stats["verified_tokens"] == 2 * SAMPLES
+    assert 0.2 < stats["draft_acceptance"] < 0.9, stats
+    if use_drafter:  # the drafter's chains are verified and sometimes kept
+        assert stats["drafter_accepted"] > 0.02 * SAMPLES, stats
+
+
+def cascade(inverted: bool, keep_target: bool):
+    """verify_drafts with a planted mistake: inverted, accept with min(1, q(x)/r(x)) instead
+    of min(1, r(x)/q(x)); keep_target, r stays p after a rejection (and the final draw comes
+    from p) instead of normalize(max(r - q, 0))."""
+
+    def verify(u, p, q, x, has, key):
+        b, k_drafts = x.shape
+        rows = jnp.arange(b)
+        res = p
+        which = jnp.full((b,), -1, jnp.int32)
+        for k in range(k_drafts):
+            trial = has[:, k] & (which < 0)
+            r_x = res[rows, x[:, k]] / res.sum(-1)
+            q_x = q[rows, k, x[:, k]]
+            ratio = q_x / jnp.maximum(r_x, 1e-30) if inverted else r_x / q_x
+            accept = trial & (u[:, k] < ratio)
+            which = jnp.where(accept, k, which)
+            if not keep_target:
+                nxt = jnp.maximum(res / res.sum(-1, keepdims=True) - q[:, k], 0.0)
+                nxt = jnp.where(nxt.sum(-1, keepdims=True) > 0, nxt, res)
+                res = jnp.where((trial & ~accept)[:, None], nxt, res)
+        drawn = jax.random.categorical(key, jnp.log(res), axis=-1).astype(jnp.int32)
+        return which, jnp.where(which >= 0, x[rows, jnp.maximum(which, 0)], drawn)
+
+    return verify
+
+
+WRONG = {"inverted_ratio": cascade(True, False), "target_residual": cascade(False, True)}
+
+
+@pytest.mark.parametrize("rule", list(WRONG))
+def test_wrong_rules_are_caught(rule, draw, exact_probs):
+    tokens, stats = draw(SETTINGS["t1"], verifier=WRONG[rule])
+    p, _ = check(exact_probs(SETTINGS["t1"]), tokens, rule, stats)
+    assert p < WRONG_P, f"{rule}: p = {p:.3g} did not catch the wrong rule"
+
+
+def test_draft_chances_match_the_cascade():
+    """draft_chances is verify_drafts in expectation: over many verify_drafts draws, each
+    draft's acceptance frequency matches its chance, and the token drawn when both are
+    rejected follows the residual."""
+    rng = np.random.default_rng(1)
+    p = rng.dirichlet(np.ones(8) * 5)  # a flat target, peaked drafts: both often rejected
+    q = rng.dirichlet(np.ones(8) * 0.5, size=2)
+    x = np.argmax(q, axis=1)
+    chance, none, res = draft_chances(jnp.asarray(p), jnp.asarray(q), jnp.asarray(x),
+                                      jnp.asarray([True, True]))
+    res = np.asarray(res) / np.asarray(res).sum()
+    assert (np.asarray(chance) > 0.1).all() and float(none) > 0.1 and (res > 0.1).sum() >= 3
+    n = 200_000
+    which, token = verify_drafts(jax.random.uniform(jax.random.key(1), (n, 2)),
+                                 jnp.broadcast_to(jnp.asarray(p, jnp.float32), (n, 8)),
+                                 jnp.broadcast_to(jnp.asarray(q, jnp.float32), (n, 2, 8)),
+                                 jnp.broadcast_to(jnp.asarray(x), (n, 2)),
+                                 jnp.ones((n, 2), bool), jax.random.key(2))
+    which, token = np.asarray(which), np.asarray(token)
+    freq = [(which == k).mean() for k in (0, 1)] + [(which < 0).mean()]
+    np.testing.assert_allclose(freq, [*np.asarray(chance), float(none)], atol=5e-3)
+    drawn = np.bincount(token[which < 0], minlength=8) / (which < 0).sum()
+    np.testing.assert_allclose(drawn, res, atol=1e-2)

@@ -1,0 +1,100 @@
+"""The notebooks run top to bottom: `notebooks/quickstart.ipynb` (SmolLM2, plain vs lookahead)
+and `notebooks/train_lad.ipynb` (a drafter trained for the tiny looped model, then plain,
+LoopSpec and LoopAhead), each executed with nbclient in a fresh kernel of this interpreter,
+with small settings (`LOOKAHEAD_NB_SMALL=1`) and the notebooks directory as working directory,
+as Jupyter starts them. A cell error fails the test; the outputs must hold the generated text
+and a plot. The committed notebooks carry no outputs."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+CELL_TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="module")
+def kernel_specs(tmp_path_factory):
+    """A kernel spec directory whose only kernel, `python3`, is this interpreter (the venv's
+    Python, whatever other kernels the machine or user has installed)."""
+    from ipykernel.kernelspec import write_kernel_spec  # noqa: PLC0415
+    from jupyter_client.kernelspec import KernelSpecManager  # noqa: PLC0415
+    root = tmp_path_factory.mktemp("kernels")
+    write_kernel_spec(str(root / "python3"))  # argv: [sys.executable, -m, ipykernel_launcher, ...]
+    return KernelSpecManager(kernel_dirs=[str(root)], ensure_native_kernel=False)
+
+
+def execute(name: str, kernel_specs, monkeypatch, tmp_path) -> list[dict]:
+    """Runs notebooks/<name> with small settings; returns every code cell's outputs."""
+    from jupyter_client.manager import KernelManager  # noqa: PLC0415
+    # the kernel inherits this environment; its temporary files (train_lad's workdir) go to
+    # tmp_path, which pytest removes
+    monkeypatch.setenv("LOOKAHEAD_NB_SMALL", "1")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    km = KernelManager(kernel_name="python3", kernel_spec_manager=kernel_specs)
+    client = nbclient.NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S,
+                                     resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client.execute()  # raises CellExecutionError on the first failing cell
+    return [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+
+
+def text_of(outputs: list[dict]) -> str:
+    parts = []
+    for out in outputs:
+        if out.output_type == "stream":
+            parts.append(out.text)
+        elif "data" in out and "text/plain" in out.data:
+            parts.append(out.data["text/plain"])
+    return "".join(parts)
+
+
+def has_png(outputs: list[dict]) -> bool:
+    return any("image/png" in out.get("data", {}) for out in outputs)
+
+
+def test_quickstart(kernel_specs, monkeypatch, tmp_path):
+    from lookahead_jax.model_store import smollm2_gguf  # noqa: PLC0415
+    from models.config import ConfigError  # noqa: PLC0415
+    try:
+        smollm2_gguf(download=False)
+    except ConfigError:
+        pytest.skip("SmolLM2 not fetched (python -m lookahead_jax.model_store)")
+    outputs = execute("quickstart.ipynb", kernel_specs, monkeypatch, tmp_path)
+    text = text_of(outputs)
+    assert "nothing to install" in text or "nothing installed" in text  # the Colab TPU cell
+    for heading in ("=== plain greedy (method='ar') ===", "=== lookahead ==="):
+        after = text.split(heading, 1)[1].split("===", 1)[0]
+        assert after.strip(), f"no generated text after {heading!r}"
+    assert "token ids identical: True" in text
+    assert "step compression S:" in text and "tokens/s:" in text
+    assert has_png(outputs)
+
+
+def test_train_lad(kernel_specs, monkeypatch, tmp_path):
+    outputs = execute("train_lad.ipynb", kernel_specs, monkeypatch, tmp_path)
+    text = text_of(outputs)
+    generated = [line for line in text.splitlines() if line.startswith("--- generated text: ")]
+    assert len(generated) == 2, text  # one per prompt (the tiny model's text may be anything)
+    for method in ("plain (ar)", "LoopSpec", "LoopAhead"):
+        assert f"{method:22s} identical to plain greedy: True" in text
+    assert "loops/token" in text
+    assert has_png(outputs)
+
+
+@pytest.mark.parametrize("name", ["quickstart.ipynb", "train_lad.ipynb"])
+def test_committed_without_outputs(name):
+    """Outputs (plots, timings of one machine) are not committed: the files stay small and
+    their diffs readable."""
+    path = NOTEBOOKS / name
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(not c.outputs and c.execution_count is None for c in code)
+    assert path.stat().st_size < 50_000
