@@ -26,6 +26,7 @@ from models import KVCache
 from models.config import ConfigError
 from models.llama import causal_mask
 from test_cli import assert_error, run_cli, run_inproc, stats_lines  # noqa: E402
+from test_lookahead import expected  # noqa: E402
 from test_lookahead_sampling import chi_square, make_model  # noqa: E402
 
 # -------------------------------------------------------------------------- the search ---
@@ -121,16 +122,6 @@ def plain(engines):
             for p in TINY_PROMPTS]
 
 
-def cut(ref, eos, max_new):
-    """What a lossless greedy decoder emits: the plain output cut after the first EOS."""
-    out = []
-    for t in ref[:max_new]:
-        out.append(t)
-        if t in eos:
-            break
-    return out
-
-
 @pytest.mark.parametrize("num_tokens, max_ngram", [(10, 3), (1, 1), (4, 2)])
 def test_tiny_batch_equals_plain_greedy(engines, plain, num_tokens, max_ngram):
     """A batch of 2 prompts of lengths 13 and 23 emits exactly plain greedy's tokens, in fewer
@@ -163,7 +154,7 @@ def test_tiny_eos_and_max_new_tokens(engines, plain):
     at = next(i for i in range(12, MAX_NEW) if ref[i] not in ref[:i])  # first use of a token
     eos = (ref[at],)
     res = engines(eos).generate_ids(TINY_PROMPTS, method="prompt_lookup", max_new_tokens=MAX_NEW)
-    assert res.tokens == [cut(r, eos, MAX_NEW) for r in plain]
+    assert res.tokens == [expected(r, eos, MAX_NEW) for r in plain]
     assert len(res.tokens[0]) == at + 1 < MAX_NEW and res.tokens[0][-1] == eos[0]
     assert res.stats.new_tokens == [at + 1, len(res.tokens[1])]
     for max_new in (1, 13):

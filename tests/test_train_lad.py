@@ -157,3 +157,15 @@ def test_model_head_scores_the_request_tokens(model, tmp_path):
                            out_embedding=table)
     assert with_extra.tolist() == plain.tolist()
     assert np.isin(np.asarray(plain), np.asarray(vocab)).all()
+
+
+@pytest.mark.parametrize("name", sorted(lad_config.CONFIGS))
+def test_shipped_lad_configs_match_their_presets(name):
+    """Each drafter config fits the looped model its preset ships (checkpoints/<name>), and
+    the same check refuses the other tiny model."""
+    from lookahead_jax.presets import load_preset  # noqa: PLC0415
+    cfg = lad_config.get(name)
+    lad_config.check_base_model(cfg, load_preset(cfg.model_preset).model, cfg.model_preset)
+    other = next(n for n in sorted(lad_config.CONFIGS) if n != name)
+    with pytest.raises(ConfigError, match="does not match lad config"):
+        lad_config.check_base_model(cfg, load_preset(other).model, other)

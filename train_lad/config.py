@@ -71,20 +71,20 @@ class LadConfig:
         return self.prompt_len + self.continuation
 
 
-# The tiny models are 256 wide: their drafters are too (the paper's 2 x 512 drafter is for
-# 1.4B+ models; the LadConfig defaults). Head "model", so that the prompt's tokens, EOS and the
+# The tiny models are 256 (ouro) and 128 (raven) wide; their drafters are 256 wide (the
+# paper's 2 x 512 drafter is for 1.4B+ models; the LadConfig defaults). Head "model", so that the prompt's tokens, EOS and the
 # outputs join the draft vocabulary at inference; on the teacher data it drafts as well as
 # head "vocab" (tiny_ouro, 192 training prompts, 150 steps: dev / confirmation accepted prefix
 # 3.41 / 3.46 against 3.42 / 3.46).
-_TINY = dict(model_hidden=256, model_vocab=4096, hidden_size=256, num_heads=4, steps=200,
+_TINY = dict(model_vocab=4096, hidden_size=256, num_heads=4, steps=200,
              head="model")
 CONFIGS = {
     "tiny_ouro": LadConfig(name="tiny_ouro", model_preset="tiny_ouro",
                            model_ckpt="checkpoints/tiny_ouro", model_family="ouro",
-                           model_loops=4, draft_depth=1, **_TINY),
+                           model_hidden=256, model_loops=4, draft_depth=1, **_TINY),
     "tiny_raven": LadConfig(name="tiny_raven", model_preset="tiny_raven",
                             model_ckpt="checkpoints/tiny_raven", model_family="raven",
-                            model_loops=8, draft_depth=2, **_TINY),
+                            model_hidden=128, model_loops=8, draft_depth=2, **_TINY),
 }
 
 
