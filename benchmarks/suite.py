@@ -494,7 +494,8 @@ def markdown_report(report: dict) -> str:
     headers = ["data set", "method", "prompts", "exact", "steps", "tokens", "S"]
     headers += ["S (law)"] if law else []
     headers += ["ms/step", "tokens/s", "speed-up"]
-    headers += ["loops/token"] if looped else []
+    headers += ["loops/token", "loops/token vs plain", "advances/token"] if looped else []
+    plain_loops = {r["dataset"]: r.get("loops_per_token") for r in rows if r["method"] == "plain"}
     table = []
     for r in rows:
         exact = "n/a (sampling)" if r["exact"] is None else f"{r['exact']}/{r['prompts']}"
@@ -502,7 +503,10 @@ def markdown_report(report: dict) -> str:
         line += [r.get("S_law", "")] if law else []
         line += [r["step_ms"], r["tokens_per_s"],
                  f"{r['speedup']:.2f}x" if r.get("speedup") is not None else ""]
-        line += [r.get("loops_per_token", "")] if looped else []
+        if looped:
+            lpt, base = r.get("loops_per_token"), plain_loops.get(r["dataset"])
+            line += [lpt if lpt is not None else "", round(lpt / base, 3) if lpt and base else "",
+                     r.get("advances_per_token", "")]
         table.append(line)
     m = report["machine"]
     out = [f"# Benchmark suite: {report.get('config') or 'engine'}", "",
