@@ -1,47 +1,64 @@
 """The notebooks run top to bottom: `notebooks/quickstart.ipynb` (SmolLM2, plain vs lookahead)
 and `notebooks/train_lad.ipynb` (a drafter trained for the tiny looped model, then plain,
-LoopSpec and LoopAhead), each executed with nbclient in a fresh kernel of this interpreter,
+LoopSpec and LoopAhead), each executed with nbclient (in a child process) in a fresh kernel of this interpreter,
 with small settings (`LOOKAHEAD_NB_SMALL=1`) and the notebooks directory as working directory,
 as Jupyter starts them. A cell error fails the test; the outputs must hold the generated text
 and a plot. The committed notebooks carry no outputs."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
 nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
+for _needed in ("nbclient", "ipykernel"):
+    if importlib.util.find_spec(_needed) is None:
+        pytest.skip(f"{_needed} is not installed", allow_module_level=True)
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 CELL_TIMEOUT_S = 900
 
+# Runs in a child process, so that no Jupyter client state (zmq sockets, event-loop threads)
+# stays in the test process: argv = notebook, executed copy, kernel spec dir, cwd, timeout.
+# The only kernel, `python3`, is this interpreter, whatever kernels the machine has.
+_RUNNER = """
+import sys
+import nbclient, nbformat
+from ipykernel.kernelspec import write_kernel_spec
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
+src, dst, kernels, cwd, timeout = sys.argv[1:6]
+write_kernel_spec(kernels + "/python3")
+specs = KernelSpecManager(kernel_dirs=[kernels], ensure_native_kernel=False)
+nb = nbformat.read(src, as_version=4)
+km = KernelManager(kernel_name="python3", kernel_spec_manager=specs)
+try:
+    nbclient.NotebookClient(nb, km=km, timeout=int(timeout),
+                            resources={"metadata": {"path": cwd}}).execute()
+finally:
+    nbformat.write(nb, dst)
+"""
 
-@pytest.fixture(scope="module")
-def kernel_specs(tmp_path_factory):
-    """A kernel spec directory whose only kernel, `python3`, is this interpreter (the venv's
-    Python, whatever other kernels the machine or user has installed)."""
-    from ipykernel.kernelspec import write_kernel_spec  # noqa: PLC0415
-    from jupyter_client.kernelspec import KernelSpecManager  # noqa: PLC0415
-    root = tmp_path_factory.mktemp("kernels")
-    write_kernel_spec(str(root / "python3"))  # argv: [sys.executable, -m, ipykernel_launcher, ...]
-    return KernelSpecManager(kernel_dirs=[str(root)], ensure_native_kernel=False)
 
-
-def execute(name: str, kernel_specs, monkeypatch, tmp_path) -> list[dict]:
-    """Runs notebooks/<name> with small settings; returns every code cell's outputs."""
-    from jupyter_client.manager import KernelManager  # noqa: PLC0415
+def execute(name: str, tmp_path) -> list[dict]:
+    """Runs notebooks/<name> with small settings in a fresh kernel; returns every code cell's
+    outputs. A failing cell fails the test with the error."""
     # the kernel inherits this environment; its temporary files (train_lad's workdir) go to
     # tmp_path, which pytest removes
-    monkeypatch.setenv("LOOKAHEAD_NB_SMALL", "1")
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    km = KernelManager(kernel_name="python3", kernel_spec_manager=kernel_specs)
-    client = nbclient.NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S,
-                                     resources={"metadata": {"path": str(NOTEBOOKS)}})
-    client.execute()  # raises CellExecutionError on the first failing cell
+    env = {**os.environ, "LOOKAHEAD_NB_SMALL": "1", "TMPDIR": str(tmp_path)}
+    dst = tmp_path / f"executed_{name}"
+    (tmp_path / "kernels").mkdir()
+    res = subprocess.run([sys.executable, "-c", _RUNNER, str(NOTEBOOKS / name), str(dst),
+                          str(tmp_path / "kernels"), str(NOTEBOOKS), str(CELL_TIMEOUT_S)],
+                         env=env, capture_output=True, text=True, timeout=2 * CELL_TIMEOUT_S)
+    if res.returncode != 0:
+        pytest.fail(f"{name} failed:\n{res.stderr[-4000:]}")
+    nb = nbformat.read(dst, as_version=4)
     return [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
 
 
@@ -59,14 +76,14 @@ def has_png(outputs: list[dict]) -> bool:
     return any("image/png" in out.get("data", {}) for out in outputs)
 
 
-def test_quickstart(kernel_specs, monkeypatch, tmp_path):
+def test_quickstart(tmp_path):
     from lookahead_jax.model_store import smollm2_gguf  # noqa: PLC0415
     from models.config import ConfigError  # noqa: PLC0415
     try:
         smollm2_gguf(download=False)
     except ConfigError:
         pytest.skip("SmolLM2 not fetched (python -m lookahead_jax.model_store)")
-    outputs = execute("quickstart.ipynb", kernel_specs, monkeypatch, tmp_path)
+    outputs = execute("quickstart.ipynb", tmp_path)
     text = text_of(outputs)
     assert "nothing to install" in text or "nothing installed" in text  # the Colab TPU cell
     for heading in ("=== plain greedy (method='ar') ===", "=== lookahead ==="):
@@ -77,8 +94,8 @@ def test_quickstart(kernel_specs, monkeypatch, tmp_path):
     assert has_png(outputs)
 
 
-def test_train_lad(kernel_specs, monkeypatch, tmp_path):
-    outputs = execute("train_lad.ipynb", kernel_specs, monkeypatch, tmp_path)
+def test_train_lad(tmp_path):
+    outputs = execute("train_lad.ipynb", tmp_path)
     text = text_of(outputs)
     generated = [line for line in text.splitlines() if line.startswith("--- generated text: ")]
     assert len(generated) == 2, text  # one per prompt (the tiny model's text may be anything)
