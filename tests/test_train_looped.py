@@ -136,6 +136,29 @@ def test_gate_target_continues_only_where_the_next_loop_helps():
     assert loss(ce[:, :, 1:], high[:, :, 1:]) < loss(ce[:, :, 1:], low[:, :, 1:])
 
 
+def test_consistency_term_is_kl_to_the_last_loop_which_gets_no_gradient():
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.normal(size=(3, 1, 2, 6)), jnp.float32)
+    kl = train.consistency_kl(logits)
+    assert kl.shape == (2, 1, 2)
+    p, logq = jax.nn.softmax(logits[-1]), jax.nn.log_softmax(logits[:-1])
+    want = jnp.sum(p * (jnp.log(p) - logq), -1)
+    np.testing.assert_allclose(kl, want, rtol=1e-5)
+    same = jnp.broadcast_to(logits[:1], logits.shape)
+    np.testing.assert_allclose(train.consistency_kl(same), 0.0, atol=1e-6)
+    # the teacher (last loop) is fixed: the term moves the earlier loops only
+    g = jax.grad(lambda x: jnp.sum(train.consistency_kl(x)))(logits)
+    assert float(jnp.abs(g[-1]).max()) == 0.0 and float(jnp.abs(g[:-1]).max()) > 0.01
+    cfg = dataclasses.replace(TRAIN, consistency_weight=0.5)
+    labels = jnp.zeros((1, 2), jnp.int32)
+    with_kl, m = train.loop_loss(logits, None, labels, cfg)
+    without, _ = train.loop_loss(logits, None, labels, TRAIN)
+    np.testing.assert_allclose(with_kl, without + 0.5 * jnp.mean(kl), rtol=1e-5)
+    np.testing.assert_allclose(m["loop_kl"], jnp.mean(kl, axis=(1, 2)), rtol=1e-5)
+    with pytest.raises(ValueError, match="consistency_weight"):
+        train.TrainConfig(consistency_weight=-1.0)
+
+
 # ---- training -------------------------------------------------------------------------------
 
 def _tokens(n=4000, seed=0):
@@ -148,9 +171,10 @@ def _tokens(n=4000, seed=0):
     return toks.astype(np.uint16)
 
 
-@pytest.mark.parametrize("cfg,loss", [(OURO, "uniform"), (OURO, "ouro"), (RAVEN, "uniform")])
-def test_train_steps_lower_every_loops_loss(cfg, loss):
-    tcfg = dataclasses.replace(TRAIN, loss=loss)
+@pytest.mark.parametrize("cfg,loss,kl", [(OURO, "uniform", 0.0), (OURO, "ouro", 0.0),
+                                         (RAVEN, "uniform", 0.0), (OURO, "uniform", 1.0)])
+def test_train_steps_lower_every_loops_loss(cfg, loss, kl):
+    tcfg = dataclasses.replace(TRAIN, loss=loss, consistency_weight=kl)
     model = LoopedLM(cfg, rngs=nnx.Rngs(0))
     graphdef, rest, state = train.init_state(model, train.make_optimizer(tcfg))
     batch = jnp.asarray(train.batch_at(_tokens(), 0, 4, 16, 0))

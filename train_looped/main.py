@@ -39,6 +39,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("seq_len", None, "Tokens per sequence (default: the model's).")
     flags.DEFINE_enum("loss", None, ["uniform", "ouro"], "Per-loop loss (default: the model's).")
     flags.DEFINE_float("peak_lr", None, "Peak learning rate (default: the model's).")
+    flags.DEFINE_float("consistency_weight", None, "Weight of the KL(full depth || loop r) "
+                       "term (default: the model's).")
     flags.DEFINE_integer("seed", None, "Data order seed (default: the model's).")
     flags.DEFINE_integer("init_seed", 0, "Parameter initialisation seed.")
     flags.DEFINE_integer("max_steps_this_run", None, "Stop after this many steps (resumable).")
@@ -49,7 +51,8 @@ def define_flags() -> None:
 
 def train_config(base):
     overrides = {k: getattr(FLAGS, k) for k in ("steps", "minutes", "batch_size", "seq_len",
-                                                 "loss", "peak_lr", "seed")
+                                                 "loss", "peak_lr", "seed",
+                                                 "consistency_weight")
                  if getattr(FLAGS, k) is not None}
     return dataclasses.replace(base, **overrides)
 

@@ -10,6 +10,11 @@ The loss supervises every loop r = 1..R of `LoopedLM.loop_logits`:
              exit distribution p_r = lambda_r prod_{j<r} (1 - lambda_j) (p_R takes the
              remaining mass) from the gate's exit probabilities lambda = sigmoid(gate).
 
+Either loss can add a consistency term, weighted `consistency_weight`: the mean over loops
+r < R of KL(p_R || p_r), the full-depth readout's next-token distribution (stop-gradient, a
+teacher) against loop r's. It pulls early readouts towards the full-depth argmax, which is what
+early-loop drafting needs (top-1 agreement), without changing what the last loop learns.
+
 Optimizer: AdamW (weight decay on matrices only) after global-norm clipping, with linear
 warmup and cosine decay computed on the host and passed into the jitted step, so the total
 step count can be fixed after timing the first steps (`--minutes`). A batch is a function of
@@ -55,6 +60,7 @@ class TrainConfig:
     gate_weight: float = 0.1     # "uniform", Ouro family: weight of the gate's stage-II loss
     gate_k: float = 50.0         # stage-II target sharpness (Ouro: k = 50)
     gate_gamma: float = 0.005    # stage-II improvement threshold in nats (Ouro: 0.005)
+    consistency_weight: float = 0.0  # weight of mean_r<R KL(stop_grad(p_R) || p_r)
     seed: int = 0
     log_every: int = 10
     save_every_minutes: float = 5.0
@@ -63,6 +69,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.consistency_weight < 0:
+            raise ValueError(f"consistency_weight must be >= 0, got {self.consistency_weight}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,9 +112,25 @@ def gate_stage2_loss(ce: jax.Array, gate: jax.Array, k: float, gamma: float) -> 
     return jnp.mean(bce)
 
 
+def consistency_kl(logits: jax.Array) -> jax.Array:
+    """logits [R,B,T,V] -> [R-1,B,T]: KL(p_R || p_r) for r < R, the last loop a fixed teacher."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    teacher = jax.lax.stop_gradient(logp[-1])
+    return jnp.sum(jnp.exp(teacher) * (teacher - logp[:-1]), axis=-1)
+
+
 def loop_loss(logits: jax.Array, gate: jax.Array | None, labels: jax.Array,
               cfg: TrainConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The training loss and metrics (`loop_ce` [R]: mean cross-entropy of each loop)."""
+    loss, metrics = _supervised_loss(logits, gate, labels, cfg)
+    if cfg.consistency_weight > 0 and logits.shape[0] > 1:
+        kl = consistency_kl(logits)
+        metrics["loop_kl"] = jnp.mean(kl, axis=(1, 2))
+        loss = loss + cfg.consistency_weight * jnp.mean(kl)
+    return loss, metrics
+
+
+def _supervised_loss(logits, gate, labels, cfg):
     ce = loop_cross_entropy(logits, labels)                   # [R,B,T]
     metrics = {"loop_ce": jnp.mean(ce, axis=(1, 2))}
     if cfg.loss == "ouro":
