@@ -92,7 +92,7 @@ class LadDrafter:
         ignores extra_ids."""
         net = nnx.merge(self.graphdef, params["net"])
         vocab = params["vocab"]
-        f = net.features(states, anchors, positions, mask)[:, -1]  # [B,K,F]
+        f = net.features(states, anchors, positions, mask, last_only=True)[:, -1]  # [B,K,F]
         if self.head == "vocab":
             return vocab[jnp.argmax(f, axis=-1)]
         w = out_embedding.astype(jnp.float32)
@@ -229,8 +229,10 @@ class LoopAhead:
 
     def run(self, graphdef, params, state, max_steps, *, eos_ids):
         model = nnx.merge(graphdef, params["model"])
-        return run_steps(lambda s: self.step(model, params["drafter"], s, eos_ids), state,
-                         max_steps)
+        # loop-invariant: the drafter's output embedding (a normalised copy of the model's)
+        out_emb = output_embedding(model) if self.drafter is not None else None
+        return run_steps(lambda s: self.step(model, params["drafter"], s, eos_ids, out_emb),
+                         state, max_steps)
 
     def summary(self, state: LoopAheadState) -> dict:
         st = loop_summary(state.stats)
@@ -239,7 +241,10 @@ class LoopAhead:
                 "capacity": state.tree.capacity, **st}
 
     # -- one step ---------------------------------------------------------------------------
-    def step(self, model, drafter_params, state: LoopAheadState, eos_ids) -> LoopAheadState:
+    def step(self, model, drafter_params, state: LoopAheadState, eos_ids,
+             out_embedding: jax.Array | None = None) -> LoopAheadState:
+        """One LoopAhead step (see the module docstring). out_embedding: `output_embedding`
+        of the model, computed once per generation by `run` (None: computed here)."""
         r_full = model.config.num_loops
         greedy = self.sampling.greedy
         live = ~state.out.done
@@ -352,11 +357,12 @@ class LoopAhead:
             lad_node = jnp.argmax(at_r1 & ~has_kid, axis=1).astype(jnp.int32)  # [B]
             use_lad = (at_r1 & ~has_kid).any(1)
             extra = request_tokens(state.prompt, out, eos_ids)
+            if out_embedding is None:
+                out_embedding = output_embedding(model)
             lad = jax.lax.cond(  # the drafter runs only in steps where a row needs it
                 use_lad.any(),
                 lambda: self._draft(drafter_params, tree, cache, h1, native, ctx_h1, ctx_nat,
-                                    lad_node, anchor[rows, lad_node], extra,
-                                    output_embedding(model)),
+                                    lad_node, anchor[rows, lad_node], extra, out_embedding),
                 lambda: jnp.zeros((b, self.K), jnp.int32))  # [B, K]
             tree, child = tree.spawn(want_anchor, anchor, q_anchor, KIND_ANCHOR)
             last = jnp.where(use_lad, child[rows, lad_node], -1)

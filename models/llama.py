@@ -99,12 +99,17 @@ class Attention(nnx.Module):
         self.v_proj = _linear(cfg.hidden_size, hkv * d, dtype, rngs)
         self.o_proj = _linear(h * d, cfg.hidden_size, dtype, rngs)
 
+    def key_value(self, x, cos, sin) -> tuple[jax.Array, jax.Array]:
+        """The K/V [B,T,Hkv,D] of x [B,T,E] (K rotated), as __call__ computes them."""
+        b, t, _ = x.shape
+        k = apply_rope(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim), cos, sin)
+        return k, self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+
     def __call__(self, x, cos, sin, mask, cached_k, cached_v, attention_fn: AttentionFn):
         """x [B,T,E]; cached_k/v [B,S,Hkv,D] or None; mask [B,T,S+T]. Returns out, (k, v) of x."""
         b, t, _ = x.shape
         q = apply_rope(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        k, v = self.key_value(x, cos, sin)
         keys, values = k, v
         if cached_k is not None:
             keys = jnp.concatenate([cached_k.astype(k.dtype), k], axis=1)

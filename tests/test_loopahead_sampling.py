@@ -14,23 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from lookahead_jax.generation import pad_prompts
 from lookahead_jax.loopahead import LoopAhead
 from lookahead_jax.loopspec import draft_chances, verify_drafts
-from test_loopspec import (ALPHA, NEW, PROMPT, SAMPLES, SAMPLING_CFG,  # noqa: E402,F401
-                           SETTINGS, V, WRONG_P, check, exact_probs, small_model)
+from test_loopspec import (ALPHA, SAMPLES, SETTINGS, V, WRONG_P, check,  # noqa: F401
+                           exact_probs, sample_many, small_model)
 
 K = 2
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _generate(method, graphdef, params, tokens, lengths, cache, key):
-    params = method.bundle_params(params)
-    state = method.init(graphdef, params, tokens, lengths, cache, key, max_new_tokens=NEW,
-                        eos_ids=(), vocab_size=V)
-    return method.run(graphdef, params, state, jnp.asarray(8 * NEW, jnp.int32), eos_ids=())
 
 
 class AnchorTableDrafter:
@@ -56,19 +46,11 @@ def drafter(exact_probs) -> AnchorTableDrafter:
 
 @pytest.fixture(scope="module")
 def draw(small_model, drafter):
-    graphdef, params = nnx.split(small_model)
-
     @functools.lru_cache(maxsize=None)
     def get(sampling, use_drafter=True, scheduling=True, verifier=verify_drafts):
-        method = LoopAhead(sampling, r1=1, r2=2, drafter=drafter if use_drafter else None,
-                           scheduling=scheduling, window=8, verifier=verifier)
-        tokens, lengths = pad_prompts([PROMPT] * SAMPLES)
-        cap = method.tree_capacity(SAMPLING_CFG.num_loops)
-        cache = small_model.init_cache(SAMPLES, tokens.shape[1] + NEW + cap)
-        state = _generate(method, graphdef, params, jnp.asarray(tokens), jnp.asarray(lengths),
-                          cache, jax.random.key(0))
-        assert (np.asarray(state.out.count) == NEW).all()
-        return np.asarray(state.out.tokens), method.summary(state)
+        return sample_many(small_model, LoopAhead(
+            sampling, r1=1, r2=2, drafter=drafter if use_drafter else None,
+            scheduling=scheduling, window=8, verifier=verifier))
     return get
 
 

@@ -232,25 +232,31 @@ def exact_probs(small_model):
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _generate(method, graphdef, params, tokens, lengths, cache, key):
+    if hasattr(method, "bundle_params"):  # LoopAhead: the drafter's parameters travel along
+        params = method.bundle_params(params)
     state = method.init(graphdef, params, tokens, lengths, cache, key, max_new_tokens=NEW,
                         eos_ids=(), vocab_size=V)
     return method.run(graphdef, params, state, jnp.asarray(8 * NEW, jnp.int32), eos_ids=())
 
 
+def sample_many(model, method):
+    """SAMPLES independent generations of NEW tokens after PROMPT with a tree method (LoopSpec
+    or LoopAhead), in one batch: tokens [SAMPLES, NEW] and the method's summary."""
+    graphdef, params = nnx.split(model)
+    tokens, lengths = pad_prompts([PROMPT] * SAMPLES)
+    cap = method.tree_capacity(SAMPLING_CFG.num_loops)
+    cache = model.init_cache(SAMPLES, tokens.shape[1] + NEW + cap)
+    state = _generate(method, graphdef, params, jnp.asarray(tokens), jnp.asarray(lengths),
+                      cache, jax.random.key(0))
+    assert (np.asarray(state.out.count) == NEW).all()
+    return np.asarray(state.out.tokens), method.summary(state)
+
+
 @pytest.fixture(scope="module")
 def draw(small_model):
-    graphdef, params = nnx.split(small_model)
-
     @functools.lru_cache(maxsize=None)
     def get(sampling, d2=0, verifier=verify_drafts):
-        method = LoopSpec(sampling, d1=1, d2=d2, verifier=verifier)
-        tokens, lengths = pad_prompts([PROMPT] * SAMPLES)
-        cap = method.tree_capacity(SAMPLING_CFG.num_loops)
-        cache = small_model.init_cache(SAMPLES, tokens.shape[1] + NEW + cap)
-        state = _generate(method, graphdef, params, jnp.asarray(tokens), jnp.asarray(lengths),
-                          cache, jax.random.key(0))
-        assert (np.asarray(state.out.count) == NEW).all()
-        return np.asarray(state.out.tokens), method.summary(state)
+        return sample_many(small_model, LoopSpec(sampling, d1=1, d2=d2, verifier=verifier))
     return get
 
 

@@ -169,3 +169,26 @@ def test_shipped_lad_configs_match_their_presets(name):
     other = next(n for n in sorted(lad_config.CONFIGS) if n != name)
     with pytest.raises(ConfigError, match="does not match lad config"):
         lad_config.check_base_model(cfg, load_preset(other).model, other)
+
+
+@pytest.mark.parametrize("layers,head", [(1, "vocab"), (2, "model")])
+def test_last_only_features_equal_the_full_pass_at_the_last_position(layers, head):
+    """Decoding asks for the last position's drafts only; the shortcut (the last layer's
+    queries and MLP for that position alone) gives the full pass's values there, with a
+    window mask that hides some positions."""
+    from train_lad.model import DrafterShape, LookaheadDrafter  # noqa: PLC0415
+    shape = DrafterShape(state_size=24, vocab_size=50, hidden_size=32, num_layers=layers,
+                         num_heads=2, K=3, draft_vocab=40, head=head)
+    net = LookaheadDrafter(shape, rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(0)
+    b, t = 2, 7
+    states = jnp.asarray(rng.normal(size=(b, t, 24)), jnp.float32)
+    anchors = jnp.asarray(rng.integers(0, 50, (b, t)), jnp.int32)
+    positions = jnp.asarray(np.arange(t)[None] + np.array([[0], [5]]), jnp.int32)
+    ok = jnp.asarray(rng.random((b, t)) > 0.3).at[:, -1].set(True)
+    mask = jnp.tril(jnp.ones((t, t), bool))[None] & ok[:, None, :] & ok[:, :, None]
+    mask = mask | jnp.eye(t, dtype=bool)[None]
+    full = net.features(states, anchors, positions, mask)
+    last = net.features(states, anchors, positions, mask, last_only=True)
+    assert last.shape == (b, 1, 3, full.shape[-1])
+    np.testing.assert_allclose(last[:, 0], full[:, -1], rtol=2e-5, atol=2e-5)

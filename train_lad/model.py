@@ -68,15 +68,24 @@ class LookaheadDrafter(nnx.Module):
                                 param_dtype=dtype, rngs=rngs)
 
     def features(self, states: jax.Array, anchors: jax.Array, positions: jax.Array,
-                 mask: jax.Array) -> jax.Array:
+                 mask: jax.Array, last_only: bool = False) -> jax.Array:
         """states [B,T,E_model]; anchors, positions [B,T] int32; mask [B,T,T] bool (causal).
         Returns [B,T,K,F] float32 for tokens t + 1 + k (k = 1..K): head "vocab", the logits
         over the draft vocabulary (F = Vd); head "model", vectors to score against the looped
-        model's output embedding (F = E_model)."""
+        model's output embedding (F = E_model). last_only: the last position's alone
+        ([B,1,K,F], the same values): the last layer then computes only the other positions'
+        K/V, not their queries, attention outputs and MLP (decoding drafts at one position)."""
         x = self.state_proj(self.state_norm(states)) + self.anchor_embed(anchors)
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.block_cfg))
-        for layer in self.layers:
+        n_full = len(self.layers) - 1 if last_only else len(self.layers)
+        for layer in list(self.layers)[:n_full]:
             x, _ = layer(x, cos, sin, mask, None, None, dot_product_attention)
+        if last_only:
+            last = self.layers[n_full]
+            k, v = last.self_attn.key_value(last.input_layernorm(x[:, :-1]), cos[:, :-1],
+                                            sin[:, :-1])
+            x, _ = last(x[:, -1:], cos[:, -1:], sin[:, -1:], mask[:, -1:], k, v,
+                        dot_product_attention)
         b, t, _ = x.shape
         return self.heads(self.norm(x)).astype(jnp.float32).reshape(b, t, self.shape.K, -1)
 
