@@ -242,9 +242,9 @@ class LoopAhead:
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, model, drafter_params, state: LoopAheadState, eos_ids,
-             out_embedding: jax.Array | None = None) -> LoopAheadState:
+             out_embedding: jax.Array | None) -> LoopAheadState:
         """One LoopAhead step (see the module docstring). out_embedding: `output_embedding`
-        of the model, computed once per generation by `run` (None: computed here)."""
+        of the model, computed once per generation by `run` (None without a drafter)."""
         r_full = model.config.num_loops
         greedy = self.sampling.greedy
         live = ~state.out.done
@@ -357,8 +357,6 @@ class LoopAhead:
             lad_node = jnp.argmax(at_r1 & ~has_kid, axis=1).astype(jnp.int32)  # [B]
             use_lad = (at_r1 & ~has_kid).any(1)
             extra = request_tokens(state.prompt, out, eos_ids)
-            if out_embedding is None:
-                out_embedding = output_embedding(model)
             lad = jax.lax.cond(  # the drafter runs only in steps where a row needs it
                 use_lad.any(),
                 lambda: self._draft(drafter_params, tree, cache, h1, native, ctx_h1, ctx_nat,

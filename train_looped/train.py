@@ -13,7 +13,9 @@ The loss supervises every loop r = 1..R of `LoopedLM.loop_logits`:
 Either loss can add a consistency term, weighted `consistency_weight`: the mean over loops
 r < R of KL(p_R || p_r), the full-depth readout's next-token distribution (stop-gradient, a
 teacher) against loop r's. It pulls early readouts towards the full-depth argmax, which is what
-early-loop drafting needs (top-1 agreement), without changing what the last loop learns.
+early-loop drafting needs (top-1 agreement). The teacher gets no gradient from it, but the loops
+share their weights, so the last loop moves too (on tiny_ouro it made every loop worse:
+checkpoints/README.md).
 
 Optimizer: AdamW (weight decay on matrices only) after global-norm clipping, with linear
 warmup and cosine decay computed on the host and passed into the jitted step, so the total
@@ -131,6 +133,7 @@ def loop_loss(logits: jax.Array, gate: jax.Array | None, labels: jax.Array,
 
 
 def _supervised_loss(logits, gate, labels, cfg):
+    """`cfg.loss` on the per-loop cross-entropies (and the Ouro gate's losses), with metrics."""
     ce = loop_cross_entropy(logits, labels)                   # [R,B,T]
     metrics = {"loop_ce": jnp.mean(ce, axis=(1, 2))}
     if cfg.loss == "ouro":
