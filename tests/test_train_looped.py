@@ -159,6 +159,54 @@ def test_consistency_term_is_kl_to_the_last_loop_which_gets_no_gradient():
         train.TrainConfig(consistency_weight=-1.0)
 
 
+def test_next_loop_consistency_is_kl_between_adjacent_loops_both_trained():
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(3, 1, 2, 6)), jnp.float32)
+    kl = train.consistency_kl(logits, "next")
+    p, logq = jax.nn.softmax(logits[1:]), jax.nn.log_softmax(logits[:-1])
+    np.testing.assert_allclose(kl, jnp.sum(p * (jnp.log(p) - logq), -1), rtol=1e-5)
+    # every loop, the last included, gets a gradient: a loop can agree by changing less
+    g = jax.grad(lambda x: jnp.sum(train.consistency_kl(x, "next")))(logits)
+    assert all(float(jnp.abs(g[r]).max()) > 0.01 for r in range(3))
+    cfg = dataclasses.replace(TRAIN, consistency_weight=2.0, consistency_target="next")
+    labels = jnp.zeros((1, 2), jnp.int32)
+    with_kl, _ = train.loop_loss(logits, None, labels, cfg)
+    without, _ = train.loop_loss(logits, None, labels, TRAIN)
+    np.testing.assert_allclose(with_kl, without + 2.0 * jnp.mean(kl), rtol=1e-5)
+    with pytest.raises(ValueError, match="consistency_target"):
+        train.TrainConfig(consistency_target="first")
+    with pytest.raises(ValueError, match="target"):
+        train.consistency_kl(logits, "first")
+
+
+def test_branch_norm_init_scales_only_the_residual_branch_norms():
+    model = LoopedLM(dataclasses.replace(OURO, num_layers=2), rngs=nnx.Rngs(0))
+    before = jax.tree.map(np.array, nnx.state(model, nnx.Param))
+    train.init_branch_norms(model, 0.25)
+    after = jax.tree.map(np.array, nnx.state(model, nnx.Param))
+    changed = set()
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(before),
+                                 jax.tree_util.tree_leaves_with_path(after)):
+        if not np.array_equal(np.asarray(a), np.asarray(b)):
+            changed.add(jax.tree_util.keystr(path))
+            np.testing.assert_array_equal(np.asarray(b), 0.25)
+    want = {f"['layers'][{i}]['{n}']['weight']" for i in range(2)
+            for n in ("input_layernorm_2", "post_attention_layernorm_2")}
+    assert {c.replace(".value", "") for c in changed} == want
+    # the branch output added to the residual stream is scaled by that weight
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 3, OURO.hidden_size)), jnp.float32)
+    fresh = LoopedLM(OURO, rngs=nnx.Rngs(0))
+    small = LoopedLM(OURO, rngs=nnx.Rngs(0))
+    train.init_branch_norms(small, 0.25)
+    pos = train.positions_like(jnp.zeros((1, 3), jnp.int32))
+    step = [m.advance(x, x, 0, pos)[0] for m in (fresh, small)]
+    assert not np.allclose(np.asarray(step[0]), np.asarray(step[1]), atol=1e-3)
+    with pytest.raises(ValueError, match="Ouro"):
+        train.init_branch_norms(LoopedLM(RAVEN, rngs=nnx.Rngs(0)), 0.25)
+    with pytest.raises(ValueError, match="branch_norm_init"):
+        train.TrainConfig(branch_norm_init=0.0)
+
+
 # ---- training -------------------------------------------------------------------------------
 
 def _tokens(n=4000, seed=0):
@@ -171,10 +219,11 @@ def _tokens(n=4000, seed=0):
     return toks.astype(np.uint16)
 
 
-@pytest.mark.parametrize("cfg,loss,kl", [(OURO, "uniform", 0.0), (OURO, "ouro", 0.0),
-                                         (RAVEN, "uniform", 0.0), (OURO, "uniform", 1.0)])
-def test_train_steps_lower_every_loops_loss(cfg, loss, kl):
-    tcfg = dataclasses.replace(TRAIN, loss=loss, consistency_weight=kl)
+@pytest.mark.parametrize("cfg,loss,kl,target", [
+    (OURO, "uniform", 0.0, "last"), (OURO, "ouro", 0.0, "last"), (RAVEN, "uniform", 0.0, "last"),
+    (OURO, "uniform", 1.0, "last"), (OURO, "uniform", 1.0, "next")])
+def test_train_steps_lower_every_loops_loss(cfg, loss, kl, target):
+    tcfg = dataclasses.replace(TRAIN, loss=loss, consistency_weight=kl, consistency_target=target)
     model = LoopedLM(cfg, rngs=nnx.Rngs(0))
     graphdef, rest, state = train.init_state(model, train.make_optimizer(tcfg))
     batch = jnp.asarray(train.batch_at(_tokens(), 0, 4, 16, 0))

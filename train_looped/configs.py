@@ -26,7 +26,8 @@ MODELS = {
         LoopedConfig(family="ouro", hidden_size=256, intermediate_size=768, num_layers=2,
                      num_loops=4, **_COMMON),
         TrainConfig(seq_len=512, batch_size=6, steps=300, loss="uniform", peak_lr=3e-3,
-                    warmup_steps=30),
+                    warmup_steps=30, branch_norm_init=0.1, consistency_weight=10.0,
+                    consistency_target="next"),
         "Ouro-style: width 256, 2 shared sandwich-norm layers x 4 loops, exit gate, tied "
         "embeddings"),
     "tiny_raven": TinyModel(

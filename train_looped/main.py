@@ -39,8 +39,12 @@ def define_flags() -> None:
     flags.DEFINE_integer("seq_len", None, "Tokens per sequence (default: the model's).")
     flags.DEFINE_enum("loss", None, ["uniform", "ouro"], "Per-loop loss (default: the model's).")
     flags.DEFINE_float("peak_lr", None, "Peak learning rate (default: the model's).")
-    flags.DEFINE_float("consistency_weight", None, "Weight of the KL(full depth || loop r) "
-                       "term (default: the model's).")
+    flags.DEFINE_float("consistency_weight", None, "Weight of the loop-consistency KL term "
+                       "(default: the model's).")
+    flags.DEFINE_enum("consistency_target", None, ["last", "next"], "KL(full depth || loop r) "
+                      "with a fixed teacher, or KL(loop r+1 || loop r) (default: the model's).")
+    flags.DEFINE_float("branch_norm_init", None, "Ouro: initial weight of the residual-branch "
+                       "norms (LayerScale; default: the model's).")
     flags.DEFINE_integer("seed", None, "Data order seed (default: the model's).")
     flags.DEFINE_integer("init_seed", 0, "Parameter initialisation seed.")
     flags.DEFINE_integer("max_steps_this_run", None, "Stop after this many steps (resumable).")
@@ -52,7 +56,8 @@ def define_flags() -> None:
 def train_config(base):
     overrides = {k: getattr(FLAGS, k) for k in ("steps", "minutes", "batch_size", "seq_len",
                                                  "loss", "peak_lr", "seed",
-                                                 "consistency_weight")
+                                                 "consistency_weight", "consistency_target",
+                                                 "branch_norm_init")
                  if getattr(FLAGS, k) is not None}
     return dataclasses.replace(base, **overrides)
 
@@ -92,6 +97,8 @@ def main(argv) -> int:
     data = tokenizer.prepare(spec.model.vocab_size)
     train_tokens = np.load(data / "train.npy")
     model = LoopedLM(spec.model, rngs=nnx.Rngs(FLAGS.init_seed))
+    if cfg.branch_norm_init != 1.0:
+        train.init_branch_norms(model, cfg.branch_norm_init)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"{spec.name}: {spec.description}; {n_params:,} parameters; {train_tokens.size:,} "
           f"training tokens; workdir {workdir}", file=sys.stderr)

@@ -10,12 +10,14 @@ The loss supervises every loop r = 1..R of `LoopedLM.loop_logits`:
              exit distribution p_r = lambda_r prod_{j<r} (1 - lambda_j) (p_R takes the
              remaining mass) from the gate's exit probabilities lambda = sigmoid(gate).
 
-Either loss can add a consistency term, weighted `consistency_weight`: the mean over loops
-r < R of KL(p_R || p_r), the full-depth readout's next-token distribution (stop-gradient, a
-teacher) against loop r's. It pulls early readouts towards the full-depth argmax, which is what
-early-loop drafting needs (top-1 agreement). The teacher gets no gradient from it, but the loops
-share their weights, so the last loop moves too (on tiny_ouro it made every loop worse:
-checkpoints/README.md).
+Either loss can add a consistency term, weighted `consistency_weight`, which asks the early
+readouts to agree with the later ones (what early-loop drafting needs: top-1 agreement with the
+full depth). `consistency_target` "last": the mean over loops r < R of KL(p_R || p_r), the
+full-depth readout's next-token distribution a stop-gradient teacher. The teacher gets no
+gradient from it, but the loops share their weights, so the last loop moves too (on tiny_ouro it
+made every loop worse: checkpoints/README.md). "next": the mean over r < R of
+KL(p_{r+1} || p_r) with both sides trained, so a loop can also agree by changing its input's
+prediction less: it asks the loops to settle rather than chase the last one.
 
 Optimizer: AdamW (weight decay on matrices only) after global-norm clipping, with linear
 warmup and cosine decay computed on the host and passed into the jitted step, so the total
@@ -42,6 +44,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 LOSSES = ("uniform", "ouro")
+CONSISTENCY_TARGETS = ("last", "next")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +65,9 @@ class TrainConfig:
     gate_weight: float = 0.1     # "uniform", Ouro family: weight of the gate's stage-II loss
     gate_k: float = 50.0         # stage-II target sharpness (Ouro: k = 50)
     gate_gamma: float = 0.005    # stage-II improvement threshold in nats (Ouro: 0.005)
-    consistency_weight: float = 0.0  # weight of mean_r<R KL(stop_grad(p_R) || p_r)
+    consistency_weight: float = 0.0  # weight of the consistency term (module docstring)
+    consistency_target: str = "last"  # "last": KL(stop_grad(p_R) || p_r); "next": KL(p_r+1 || p_r)
+    branch_norm_init: float = 1.0    # Ouro: initial weight of the residual-branch norms
     seed: int = 0
     log_every: int = 10
     save_every_minutes: float = 5.0
@@ -71,8 +76,13 @@ class TrainConfig:
     def __post_init__(self):
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.consistency_target not in CONSISTENCY_TARGETS:
+            raise ValueError(f"consistency_target must be one of {CONSISTENCY_TARGETS}, got "
+                             f"{self.consistency_target!r}")
         if self.consistency_weight < 0:
             raise ValueError(f"consistency_weight must be >= 0, got {self.consistency_weight}")
+        if self.branch_norm_init <= 0:
+            raise ValueError(f"branch_norm_init must be > 0, got {self.branch_norm_init}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,10 +124,16 @@ def gate_stage2_loss(ce: jax.Array, gate: jax.Array, k: float, gamma: float) -> 
     return jnp.mean(bce)
 
 
-def consistency_kl(logits: jax.Array) -> jax.Array:
-    """logits [R,B,T,V] -> [R-1,B,T]: KL(p_R || p_r) for r < R, the last loop a fixed teacher."""
+def consistency_kl(logits: jax.Array, target: str = "last") -> jax.Array:
+    """logits [R,B,T,V] -> [R-1,B,T], for each loop r < R: KL(p_R || p_r) with the last loop a
+    fixed teacher (target "last"), or KL(p_{r+1} || p_r) with both loops trained ("next")."""
     logp = jax.nn.log_softmax(logits, axis=-1)
-    teacher = jax.lax.stop_gradient(logp[-1])
+    if target == "last":
+        teacher = jax.lax.stop_gradient(logp[-1])
+    elif target == "next":
+        teacher = logp[1:]
+    else:
+        raise ValueError(f"target must be one of {CONSISTENCY_TARGETS}, got {target!r}")
     return jnp.sum(jnp.exp(teacher) * (teacher - logp[:-1]), axis=-1)
 
 
@@ -126,7 +142,7 @@ def loop_loss(logits: jax.Array, gate: jax.Array | None, labels: jax.Array,
     """The training loss and metrics (`loop_ce` [R]: mean cross-entropy of each loop)."""
     loss, metrics = _supervised_loss(logits, gate, labels, cfg)
     if cfg.consistency_weight > 0 and logits.shape[0] > 1:
-        kl = consistency_kl(logits)
+        kl = consistency_kl(logits, cfg.consistency_target)
         metrics["loop_kl"] = jnp.mean(kl, axis=(1, 2))
         loss = loss + cfg.consistency_weight * jnp.mean(kl)
     return loss, metrics
@@ -274,6 +290,24 @@ class Checkpoints:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def init_branch_norms(model, value: float) -> None:
+    """Sets the initial weight of an Ouro-family model's residual-branch norms (each layer's
+    `input_layernorm_2` and `post_attention_layernorm_2`, the norms applied to the attention and
+    MLP outputs before they are added to the residual stream) to `value`, in place.
+
+    In a sandwich-norm layer these weights are the branch's scale (LayerScale). The state a
+    loop starts from is the final norm's output (weight 1), so a small value makes every loop
+    after the first a small correction of the state it is given, where 1 lets each of the four
+    branch outputs of a 2-layer loop be as large as the state itself.
+    """
+    if model.config.family != "ouro":
+        raise ValueError("branch_norm_init applies to the Ouro family's sandwich-norm layers; "
+                         f"this model is {model.config.family!r}")
+    for layer in model.layers:
+        for norm in (layer.input_layernorm_2, layer.post_attention_layernorm_2):
+            norm.weight[...] = jnp.full_like(norm.weight[...], value)
 
 
 def init_state(model, tx) -> tuple[Any, Any, TrainState]:
