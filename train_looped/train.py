@@ -17,7 +17,9 @@ full-depth readout's next-token distribution a stop-gradient teacher. The teache
 gradient from it, but the loops share their weights, so the last loop moves too (on tiny_ouro it
 made every loop worse: checkpoints/README.md). "next": the mean over r < R of
 KL(p_{r+1} || p_r) with both sides trained, so a loop can also agree by changing its input's
-prediction less: it asks the loops to settle rather than chase the last one.
+prediction less: it asks the loops to settle rather than chase the last one. The shipped
+tiny_ouro is trained with "next" at weight 10 and its branch norms starting at 0.1
+(`init_branch_norms`); together they took its loop-3 agreement from 94.2% to 97.0%.
 
 Optimizer: AdamW (weight decay on matrices only) after global-norm clipping, with linear
 warmup and cosine decay computed on the host and passed into the jitted step, so the total
