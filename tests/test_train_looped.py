@@ -283,14 +283,30 @@ def test_agreement_statistics_on_a_toy_case():
     argmax = np.array([[[1, 2, 3, 4]], [[1, 2, 0, 4]], [[1, 2, 0, 0]]])   # [R=3, B=1, T=4]
     labels = np.array([[1, 2, 0, 9]])
     ce = np.ones((3, 1, 4)) * np.array([3.0, 2.0, 1.0])[:, None, None]
+    kl = np.zeros((3, 1, 4)) + np.array([0.0, 0.4, 0.1])[:, None, None]
+    kl[1, 0, 0] = 0.8
     stats = agreement.LoopStats(3)
-    stats.add(ce, argmax, labels)
+    stats.add(ce, argmax, labels, kl)
     s = stats.summary()
+    assert s["kl_prev"] == [0.0, 0.5, 0.1]
     assert s["agreement"] == [0.5, 0.75, 1.0]
     assert s["accuracy"] == [0.5, 0.75, 0.75]
     assert s["loss"] == [3.0, 2.0, 1.0] and s["tokens"] == 4
     w = agreement.windows(np.arange(50), 8, 100)
     assert w.shape == (6, 9) and w[1, 0] == 8 and w[0, -1] == 8
+
+
+def test_eval_step_reports_each_loops_kl_to_the_previous_loop():
+    model = LoopedLM(OURO, rngs=nnx.Rngs(1))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    batch = jnp.asarray(train.batch_at(_tokens(), 0, 2, 8, 0))
+    ce, argmax, kl_prev = train.eval_step(params, rest, batch, graphdef=graphdef)
+    logits, _ = model.loop_logits(batch[:, :-1], train.positions_like(batch[:, :-1]))
+    np.testing.assert_allclose(ce, train.loop_cross_entropy(logits, batch[:, 1:]), rtol=1e-5)
+    np.testing.assert_array_equal(argmax, jnp.argmax(logits, -1))
+    assert kl_prev.shape == (OURO.num_loops, 2, 8) and float(jnp.abs(kl_prev[0]).max()) == 0.0
+    np.testing.assert_allclose(kl_prev[1:], train.consistency_kl(logits, "next"), rtol=1e-4,
+                               atol=1e-6)
 
 
 def test_bfloat16_export_stays_close(tmp_path, bpe):

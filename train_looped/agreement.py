@@ -2,9 +2,10 @@
 
     python -m train_looped.agreement --ckpt=checkpoints/tiny_ouro --ckpt=checkpoints/tiny_raven
 
-For every depth d = 1..R: held-out next-token loss, top-1 accuracy, and top-1 agreement of the
-depth-d readout's argmax with the depth-R (full-depth) argmax, over all held-out sources and
-per source (stdlib code, Python-docs prose, FAQ chats, GSM8K-train chats). Windows are
+For every depth d = 1..R: held-out next-token loss, top-1 accuracy, top-1 agreement of the
+depth-d readout's argmax with the depth-R (full-depth) argmax, and the mean KL(p_d || p_{d-1})
+of the next-token distribution to the previous depth's (how much loop d still changes the
+prediction), over all held-out sources (and the agreement per source (stdlib code, Python-docs prose, FAQ chats, GSM8K-train chats). Windows are
 non-overlapping `seq_len + 1` token slices of each held-out stream, at most `windows` per
 source. Prints one Markdown table per model and writes JSON (`--json_out`, default
 `<ckpt>/agreement.json`).
@@ -35,25 +36,29 @@ def define_flags() -> None:
 
 
 class LoopStats:
-    """Running per-depth sums: cross-entropy, correct top-1, agreement with the last depth."""
+    """Running per-depth sums: cross-entropy, correct top-1, agreement with the last depth,
+    KL to the previous depth."""
 
     def __init__(self, num_loops: int):
         self.ce = np.zeros(num_loops)
         self.correct = np.zeros(num_loops, np.int64)
         self.agree = np.zeros(num_loops, np.int64)
+        self.kl_prev = np.zeros(num_loops)
         self.n = 0
 
-    def add(self, ce: np.ndarray, argmax: np.ndarray, labels: np.ndarray) -> None:
-        """ce, argmax [R, ...]; labels [...] (same trailing shape)."""
+    def add(self, ce: np.ndarray, argmax: np.ndarray, labels: np.ndarray,
+            kl_prev: np.ndarray) -> None:
+        """ce, argmax, kl_prev [R, ...]; labels [...] (same trailing shape)."""
         r = ce.shape[0]
         self.ce += ce.reshape(r, -1).sum(-1)
+        self.kl_prev += kl_prev.reshape(r, -1).sum(-1)
         self.correct += (argmax == labels[None]).reshape(r, -1).sum(-1)
         self.agree += (argmax == argmax[-1:]).reshape(r, -1).sum(-1)
         self.n += labels.size
 
     def merge(self, other: "LoopStats") -> "LoopStats":
         out = LoopStats(len(self.ce))
-        for k in ("ce", "correct", "agree"):
+        for k in ("ce", "correct", "agree", "kl_prev"):
             setattr(out, k, getattr(self, k) + getattr(other, k))
         out.n = self.n + other.n
         return out
@@ -62,7 +67,8 @@ class LoopStats:
         n = max(self.n, 1)
         return {"tokens": self.n, "loss": (self.ce / n).round(4).tolist(),
                 "accuracy": (self.correct / n).round(4).tolist(),
-                "agreement": (self.agree / n).round(4).tolist()}
+                "agreement": (self.agree / n).round(4).tolist(),
+                "kl_prev": (self.kl_prev / n).round(5).tolist()}
 
 
 def windows(tokens: np.ndarray, seq_len: int, limit: int) -> np.ndarray:
@@ -93,8 +99,10 @@ def evaluate(ckpt: str, data_dir: pathlib.Path, seq_len: int, limit: int, batch_
             batch = batch_all[i:i + batch_size]
             n = len(batch)  # the last batch is padded to batch_size (one compiled shape)
             padded = np.concatenate([batch, np.repeat(batch[-1:], batch_size - n, axis=0)])
-            ce, argmax = train.eval_step(params, rest, jnp.asarray(padded), graphdef=graphdef)
-            stats.add(np.asarray(ce)[:, :n], np.asarray(argmax)[:, :n], batch[:, 1:])
+            ce, argmax, kl = train.eval_step(params, rest, jnp.asarray(padded),
+                                             graphdef=graphdef)
+            stats.add(np.asarray(ce)[:, :n], np.asarray(argmax)[:, :n], batch[:, 1:],
+                      np.asarray(kl)[:, :n])
         per_source[source] = stats.summary()
         total = total.merge(stats)
     return {"ckpt": ckpt, "num_loops": cfg.num_loops, "family": cfg.family,
@@ -102,10 +110,11 @@ def evaluate(ckpt: str, data_dir: pathlib.Path, seq_len: int, limit: int, batch_
 
 
 def markdown(result: dict) -> str:
-    """One table: a row per depth, overall loss / accuracy / agreement, agreement per source."""
+    """One table: a row per depth, overall loss / accuracy / agreement / KL to the previous
+    depth, agreement per source."""
     sources = list(result["sources"])
     r = result["num_loops"]
-    head = ["depth", "held-out loss", "top-1 acc", f"agree w/ depth {r}",
+    head = ["depth", "held-out loss", "top-1 acc", f"agree w/ depth {r}", "KL to depth d-1",
             *[f"agree ({s})" for s in sources]]
     lines = [f"{result['ckpt']} ({result['family']}, {result['all']['tokens']:,} held-out tokens, "
              f"windows of {result['seq_len']})", "",
@@ -113,7 +122,7 @@ def markdown(result: dict) -> str:
     a = result["all"]
     for d in range(r):
         cells = [str(d + 1), f"{a['loss'][d]:.3f}", f"{100 * a['accuracy'][d]:.1f}%",
-                 f"{100 * a['agreement'][d]:.1f}%",
+                 f"{100 * a['agreement'][d]:.1f}%", "" if d == 0 else f"{a['kl_prev'][d]:.4f}",
                  *[f"{100 * result['sources'][s]['agreement'][d]:.1f}%" for s in sources]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -251,12 +251,16 @@ def train_step(params, opt_state, rest, batch: jax.Array, lr: jax.Array, noise_s
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def eval_step(params, rest, batch: jax.Array, *, graphdef) -> tuple[jax.Array, jax.Array]:
-    """(params, batch [B,T+1]) -> (cross-entropy [R,B,T], argmax [R,B,T]) of every loop."""
+def eval_step(params, rest, batch: jax.Array, *, graphdef
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(params, batch [B,T+1]) -> cross-entropy, argmax and KL to the previous loop, each
+    [R,B,T], of every loop (the KL of loop d is KL(p_d || p_{d-1}); 0 for loop 1)."""
     model = nnx.merge(graphdef, params, rest)
     inputs, labels = batch[:, :-1], batch[:, 1:]
     logits, _ = model.loop_logits(inputs, positions_like(inputs))
-    return loop_cross_entropy(logits, labels), jnp.argmax(logits, axis=-1)
+    kl = consistency_kl(logits, "next")
+    kl_prev = jnp.concatenate([jnp.zeros_like(kl[:1]), kl], axis=0)
+    return loop_cross_entropy(logits, labels), jnp.argmax(logits, axis=-1), kl_prev
 
 
 class Checkpoints:
@@ -356,7 +360,7 @@ def train(model, cfg: TrainConfig, train_tokens: np.ndarray, workdir: str | os.P
         nonlocal last_save
         record = {"step": state.step, "event": "save", "elapsed_s": round(state.elapsed_s, 1)}
         if eval_batch is not None:
-            ce, _ = eval_step(state.params, rest, jnp.asarray(eval_batch), graphdef=graphdef)
+            ce, _, _ = eval_step(state.params, rest, jnp.asarray(eval_batch), graphdef=graphdef)
             record["heldout_loop_ce"] = np.asarray(jnp.mean(ce, axis=(1, 2))).round(4).tolist()
         ckpts.save(state)
         log.write(json.dumps(record) + "\n")
