@@ -2,8 +2,8 @@
 and `notebooks/train_lad.ipynb` (a drafter trained for the tiny looped model, then plain,
 LoopSpec and LoopAhead), each executed with nbclient (from a child process) in a fresh kernel
 of this interpreter, with small settings (`LOOKAHEAD_NB_SMALL=1`) and the notebooks
-directory as working directory, as Jupyter starts them. A cell error fails the test; the outputs must hold the generated text
-and a plot. The committed notebooks carry no outputs."""
+directory as working directory, as Jupyter starts them. A cell error fails the test; the
+outputs must hold the generated text and a plot. The committed notebooks carry no outputs."""
 
 from __future__ import annotations
 

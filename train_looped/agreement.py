@@ -2,13 +2,13 @@
 
     python -m train_looped.agreement --ckpt=checkpoints/tiny_ouro --ckpt=checkpoints/tiny_raven
 
-For every depth d = 1..R: held-out next-token loss, top-1 accuracy, top-1 agreement of the
-depth-d readout's argmax with the depth-R (full-depth) argmax, and the mean KL(p_d || p_{d-1})
-of the next-token distribution to the previous depth's (how much loop d still changes the
-prediction), over all held-out sources (and the agreement per source (stdlib code, Python-docs prose, FAQ chats, GSM8K-train chats). Windows are
-non-overlapping `seq_len + 1` token slices of each held-out stream, at most `windows` per
-source. Prints one Markdown table per model and writes JSON (`--json_out`, default
-`<ckpt>/agreement.json`).
+For every depth d = 1..R, over all held-out sources: next-token loss, top-1 accuracy, top-1
+agreement of the depth-d readout's argmax with the depth-R (full-depth) argmax, and the mean
+KL(p_d || p_{d-1}) of the next-token distribution to the previous depth's (how much loop d
+still changes the prediction); and the agreement per source (stdlib code, Python-docs prose,
+FAQ chats, GSM8K-train chats). Windows are non-overlapping `seq_len + 1` token slices of each
+held-out stream, at most `windows` per source. Prints one Markdown table per model and writes
+JSON (`--json_out`, default `<ckpt>/agreement.json`).
 """
 
 from __future__ import annotations
