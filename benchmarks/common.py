@@ -173,7 +173,7 @@ def summarize_runs(runs: list[dict], baseline: str = "plain") -> list[dict]:
 
 def parse_settings(text: str, seedings: Sequence[bool] = (False,)) -> list:
     """"15,5,15:7,5,7" -> LookaheadConfigs, each with every prompt-seeding choice given."""
-    from lookahead_jax.config import LookaheadConfig  # noqa: PLC0415
+    from lookahead_jax.lookahead.config import LookaheadConfig  # noqa: PLC0415
     out = []
     for part in text.split(":"):
         try:

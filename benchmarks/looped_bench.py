@@ -8,20 +8,21 @@ Per method and data set: shared-block calls (loops) per output token, candidate 
 output token (plain: R of each), tokens/s (prefill + decode, compile excluded, after one
 warm-up prompt), speed-up over plain decoding, and whether every output equals plain greedy.
 The first token of each prompt (from the prefill) is not counted. Methods:
-`loopspec` (d1 = 1), `loopspec_d2` (the dual proposal at 2), `loopahead` (r1 from the drafter's
-config, r2 = 2 r1; with --lad), `loopahead_nodrafter` (native proposals only),
+`loopspec` (d1 = 1), `loopspec_d2` (the dual proposal at 2), `loopahead` (r1 the drafter's
+draft depth, r2 = 2 r1; with --lad), `loopahead_nodrafter` (native proposals only),
 `loopahead_nosched` (feedback scheduling off). Prints a Markdown table, writes JSON.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 from absl import app, flags
 
 from benchmarks.common import encoded_prompts, machine_info, markdown_table, write_json
+from lookahead_jax.method import Method
+from lookahead_jax.sampling import Sampling
 
 FLAGS = flags.FLAGS
 SETS = ("gsm8k", "humaneval", "mt_bench")
@@ -32,7 +33,8 @@ def define_flags() -> None:
         return
     flags.DEFINE_string("config", "tiny_ouro", "Looped preset.")
     flags.DEFINE_string("ckpt", None, "Checkpoint (default: checkpoints/<config>).")
-    flags.DEFINE_string("lad", None, "train_lad workdir with the drafter (LoopAhead rows).")
+    flags.DEFINE_string("lad", None, "Drafter: a train_lad workdir or its drafter .safetensors "
+                        "file (LoopAhead rows).")
     flags.DEFINE_integer("num_prompts", 5, "Prompts per data set.")
     flags.DEFINE_integer("max_new_tokens", 64, "New tokens per prompt.")
     flags.DEFINE_string("data_dir", None, "Prompt sets (default ../shared/data).")
@@ -40,32 +42,35 @@ def define_flags() -> None:
                         ".json).")
 
 
-def methods(r_full: int, lad: str | None, model_config) -> dict:
-    from lookahead_jax.loopahead import LadDrafter, LoopAhead  # noqa: PLC0415
-    from lookahead_jax.loopspec import LoopSpec  # noqa: PLC0415
-    out = {"ar": "ar", "loopspec": LoopSpec(d1=1)}
-    if r_full > 2:
-        out["loopspec_d2"] = LoopSpec(d1=1, d2=2)
-    r1 = 1
-    drafter = None
-    if lad:
-        with open(os.path.join(lad, "lad_config.json")) as f:
-            r1 = json.load(f)["draft_depth"]
-        drafter = LadDrafter.load(lad, model_config)
-    r2 = 2 * r1 if 2 * r1 < r_full else 0
-    if drafter is not None:
-        out["loopahead"] = LoopAhead(r1=r1, r2=r2, drafter=drafter)
-        out["loopahead_nosched"] = LoopAhead(r1=r1, r2=r2, drafter=drafter, scheduling=False)
-    out["loopahead_nodrafter"] = LoopAhead(r1=r1, r2=r2)
+def looped_methods(engine, sampling: Sampling, lad: str | None = None) -> dict[str, Method]:
+    """name -> Method for a looped model, every one built by the registry
+    (`engine.build_method`) with `sampling`: plain, LoopSpec (d1 = 1; d2 = 2 when the model
+    has more than 2 loops), and LoopAhead with r1 the drafter's draft depth (1 without a
+    drafter) and r2 = 2 r1 (0 when not below the loops): with `lad` (a drafter file or a
+    train_lad workdir) `loopahead` and `loopahead_nosched`, always `loopahead_nodrafter`."""
+    loops = engine.config.num_loops
+    out = {"ar": engine.build_method("ar", sampling),
+           "loopspec": engine.build_method("loopspec", sampling, d1=1)}
+    if loops > 2:
+        out["loopspec_d2"] = engine.build_method("loopspec", sampling, d1=1, d2=2)
+    drafted = engine.build_method("loopahead", sampling, lad=lad) if lad else None
+    r1 = drafted.r1 if drafted is not None else 1  # the registry takes r1 from the drafter
+    r2 = 2 * r1 if 2 * r1 < loops else 0
+    if drafted is not None:
+        out["loopahead"] = engine.build_method("loopahead", sampling, lad=drafted.drafter, r2=r2)
+        out["loopahead_nosched"] = engine.build_method("loopahead", sampling,
+                                                       lad=drafted.drafter, r2=r2,
+                                                       scheduling=False)
+    out["loopahead_nodrafter"] = engine.build_method("loopahead", sampling, r1=r1, r2=r2)
     return out
 
 
-def loop_counts(method, result, r_full: int) -> tuple[int, int, int]:
+def loop_counts(method: Method, result, r_full: int) -> tuple[int, int, int]:
     """(shared-block calls, candidate advances, verified tokens) of one generation; plain
-    decoding (`method == "ar"`) runs every token through all r_full loops. The first token
-    (from the prefill) is not counted."""
+    decoding runs every token through all r_full loops. The first token (from the prefill)
+    is not counted."""
     n = len(result.tokens[0]) - 1
-    if isinstance(method, str) and method == "ar":
+    if method.name == "ar":
         return r_full * n, r_full * n, n
     e = result.stats.extra
     return e["loops"], e["advances"], e["verified_tokens"]
@@ -93,7 +98,7 @@ def main(argv) -> int:
     ckpt = FLAGS.ckpt or os.path.join("checkpoints", FLAGS.config)
     engine = Engine.from_preset(FLAGS.config, ckpt=ckpt)
     r_full = engine.config.num_loops
-    table = methods(r_full, FLAGS.lad, engine.config)
+    table = looped_methods(engine, Sampling(), FLAGS.lad)
     results, rows = {}, []
     for name in SETS:
         prompts = encoded_prompts(engine, name, FLAGS.num_prompts, FLAGS.data_dir)

@@ -23,43 +23,57 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 
 import time  # noqa: E402
 
+import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from lookahead_jax.engine import Engine  # noqa: E402
+from lookahead_jax.lookahead.parallel import ParallelLookahead  # noqa: E402
+from lookahead_jax.sampling import Sampling  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("config", "smollm2_135m", "preset")
-flags.DEFINE_string("ckpt", None, "checkpoint override")
-flags.DEFINE_string("data_dir", None, "prompt sets (default ../shared/data)")
-flags.DEFINE_string("dataset", "humaneval", "mt_bench | humaneval | gsm8k")
-flags.DEFINE_integer("num_prompts", 3, "first N prompts of the data set")
-flags.DEFINE_integer("max_new_tokens", 64, "new tokens per prompt")
-flags.DEFINE_string("settings", "15,5,15", "W,N,G settings separated by ':'")
-flags.DEFINE_list("devices", ["1", "2", "4", "8"], "device counts")
-flags.DEFINE_string("out", "benchmarks/results/parallel_bench.json", "JSON output")
+
+
+def define_flags() -> None:
+    if "devices" in FLAGS:
+        return
+    flags.DEFINE_string("config", "smollm2_135m", "preset")
+    flags.DEFINE_string("ckpt", None, "checkpoint override")
+    flags.DEFINE_string("data_dir", None, "prompt sets (default ../shared/data)")
+    flags.DEFINE_string("dataset", "humaneval", "mt_bench | humaneval | gsm8k")
+    flags.DEFINE_integer("num_prompts", 3, "first N prompts of the data set")
+    flags.DEFINE_integer("max_new_tokens", 64, "new tokens per prompt")
+    flags.DEFINE_string("settings", "15,5,15", "W,N,G settings separated by ':'")
+    flags.DEFINE_list("devices", ["1", "2", "4", "8"], "device counts")
+    flags.DEFINE_string("out", "benchmarks/results/parallel_bench.json", "JSON output")
+
+
+def build_methods(engine, sampling) -> list[tuple[str, object, object]]:
+    """(label, LookaheadConfig or None, Method) rows: plain, then per --settings single-device
+    lookahead and lookahead parallelism on each --devices count, built by the registry
+    (`engine.build_method`) with `sampling` (but for the one-device parallel row)."""
+    methods = [("plain", None, engine.build_method("ar", sampling))]
+    for cfg in common.parse_settings(FLAGS.settings):
+        name = f"({cfg.W},{cfg.N},{cfg.G})"
+        methods.append((f"{name} single device", cfg,
+                        engine.build_method("lookahead", sampling, lookahead=cfg, devices=1)))
+        for d in [int(x) for x in FLAGS.devices]:
+            # the registry maps devices=1 to single-device lookahead; this row is the control
+            # "the parallel code path on one device", so it is the one built directly
+            method = (engine.build_method("lookahead", sampling, lookahead=cfg, devices=d)
+                      if d > 1 else ParallelLookahead(sampling, config=cfg, devices=1))
+            methods.append((f"{name} {d} device{'s' * (d > 1)}", cfg, method))
+    return methods
 
 
 def main(argv):
     del argv
-    import jax  # noqa: PLC0415
-    from lookahead_jax.engine import resolve_method  # noqa: PLC0415
-    from lookahead_jax.layout import ShardedLayout  # noqa: PLC0415
-    from lookahead_jax.parallel import ParallelLookahead  # noqa: PLC0415
-    from lookahead_jax.presets import load_engine  # noqa: PLC0415
-    from lookahead_jax.sampling import Sampling  # noqa: PLC0415
-
-    engine = load_engine(FLAGS.config, ckpt=FLAGS.ckpt)
+    engine = Engine.from_preset(FLAGS.config, ckpt=FLAGS.ckpt)
     counts = [int(d) for d in FLAGS.devices]
     if max(counts) > len(jax.local_devices()):
         raise app.UsageError(f"--devices up to {max(counts)}, {len(jax.local_devices())} present")
     prompts = common.encoded_prompts(engine, FLAGS.dataset, FLAGS.num_prompts, FLAGS.data_dir)
-    methods = [("plain", None, "ar")]
-    for cfg in common.parse_settings(FLAGS.settings):
-        name = f"({cfg.W},{cfg.N},{cfg.G})"
-        methods.append((f"{name} single device", cfg, resolve_method("lookahead", Sampling(), cfg)))
-        for d in counts:
-            methods.append((f"{name} {d} device{'s' * (d > 1)}", cfg,
-                            ParallelLookahead(cfg, devices=d)))
+    methods = build_methods(engine, Sampling())
     report = {"machine": common.machine_info(), "devices_present": len(jax.local_devices()),
               "config": FLAGS.config, "dataset": FLAGS.dataset,
               "max_new_tokens": FLAGS.max_new_tokens, "runs": []}
@@ -71,9 +85,7 @@ def main(argv):
             ref = ref or res.tokens
             st = res.stats
             d = getattr(method, "devices", 1)
-            per_device = (1 if cfg is None else
-                          ShardedLayout(cfg.W, cfg.N, cfg.G, d).size + cfg.N - 1
-                          if isinstance(method, ParallelLookahead) else cfg.step_tokens)
+            per_device = st.extra.get("tokens_per_device", cfg.step_tokens if cfg else 1)
             report["runs"].append({
                 "prompt": i, "method": name, "devices": d, "tokens": st.total_tokens,
                 "steps": st.steps, "decode_s": st.decode_s, "prefill_s": st.prefill_s,
@@ -105,4 +117,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

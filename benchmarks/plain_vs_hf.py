@@ -94,7 +94,7 @@ def check_logits(engine, hf, ids) -> float:
     import torch  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
-    from models.llama import causal_mask  # noqa: PLC0415
+    from models.layers import causal_mask  # noqa: PLC0415
 
     model = nnx.merge(engine.graphdef, engine.params)
     toks = jnp.asarray([ids], jnp.int32)
@@ -129,43 +129,14 @@ def first_difference(a, b) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def main(argv):
-    del argv
-    if flags.FLAGS["verbosity"].using_default_value:
-        logging.set_verbosity(logging.WARNING)  # absl's INFO default reports a TPU probe
-    try:
-        prompts = common.mt_bench_turn1(_DATA_DIR.value, _NUM_PROMPTS.value + 1)
-    except common.DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
-
-    from lookahead_jax.presets import load_engine  # noqa: PLC0415
-    from models.config import ConfigError  # noqa: PLC0415
-
-    torch.set_num_threads(_THREADS.value or os.cpu_count())
-    transformers.logging.set_verbosity_error()
-    try:
-        engine = load_engine(_CONFIG.value, ckpt=_CKPT.value, dtype="float32")
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    hf = hf_model_like(engine)
-    n_new = _MAX_NEW.value
+def measure_prompts(engine, hf, prompts: list[str], encoded: list[list[int]], n_new: int):
+    """Ours then Hugging Face on each prompt. -> (table rows, JSON records, totals, our
+    compile seconds)."""
     eos = engine.eos_ids
-    encoded = [engine.encode(p, chat=True) for p in prompts]
-    logit_diff = check_logits(engine, hf, encoded[0])
-    print(f"max |logit difference| ours vs Hugging Face on the warm-up prompt: {logit_diff:.2e}",
-          file=sys.stderr)
-
-    # warm-up (not counted): compiles ours for this prompt's bucket, warms torch's kernels
-    _, _, compile_s = run_ours(engine, encoded[0], n_new)
-    run_hf(hf, encoded[0], n_new, eos)
-
+    compile_s = 0.0
     rows, records = [], []
     tot = {"ours_tokens": 0, "ours_s": 0.0, "hf_tokens": 0, "hf_s": 0.0}
-    for i, (text, ids) in enumerate(zip(prompts[1:], encoded[1:]), 1):
+    for i, (text, ids) in enumerate(zip(prompts, encoded), 1):
         ours, ours_s, c = run_ours(engine, ids, n_new)
         compile_s += c
         theirs, hf_s = run_hf(hf, ids, n_new, eos)
@@ -183,6 +154,45 @@ def main(argv):
                         "ours_tokens_per_s": ours_tps, "hf_tokens_per_s": hf_tps,
                         "identical": diff is None, "first_difference": diff})
         print(f"prompt {i}: ours {ours_tps:.1f} tok/s, HF {hf_tps:.1f} tok/s", file=sys.stderr)
+    return rows, records, tot, compile_s
+
+
+def main(argv):
+    del argv
+    if flags.FLAGS["verbosity"].using_default_value:
+        logging.set_verbosity(logging.WARNING)  # absl's INFO default reports a TPU probe
+    try:
+        prompts = common.mt_bench_turn1(_DATA_DIR.value, _NUM_PROMPTS.value + 1)
+    except common.DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    from lookahead_jax.engine import Engine  # noqa: PLC0415
+    from models.config import ConfigError  # noqa: PLC0415
+
+    torch.set_num_threads(_THREADS.value or os.cpu_count())
+    transformers.logging.set_verbosity_error()
+    try:
+        engine = Engine.from_preset(_CONFIG.value, ckpt=_CKPT.value, dtype="float32")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    hf = hf_model_like(engine)
+    n_new = _MAX_NEW.value
+    eos = engine.eos_ids
+    encoded = [engine.encode(p, chat=True) for p in prompts]
+    logit_diff = check_logits(engine, hf, encoded[0])
+    print(f"max |logit difference| ours vs Hugging Face on the warm-up prompt: {logit_diff:.2e}",
+          file=sys.stderr)
+
+    # warm-up (not counted): compiles ours for this prompt's bucket, warms torch's kernels
+    _, _, compile_s = run_ours(engine, encoded[0], n_new)
+    run_hf(hf, encoded[0], n_new, eos)
+
+    rows, records, tot, c = measure_prompts(engine, hf, prompts[1:], encoded[1:], n_new)
+    compile_s += c
 
     ours_tps = tot["ours_tokens"] / tot["ours_s"]
     hf_tps = tot["hf_tokens"] / tot["hf_s"]

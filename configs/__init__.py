@@ -1,4 +1,4 @@
-"""Presets, one file per model: `get_config()` returns a `lookahead_jax.presets.Preset`.
+"""Presets, one file per model: `get_config()` returns a `lookahead_jax.store.presets.Preset`.
 
 Pick one with `python -m lookahead_jax.decode --config=<file name>` or
 `Engine.from_preset("<file name>")`. Lookahead settings follow the Lookahead Decoding paper's

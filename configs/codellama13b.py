@@ -1,7 +1,7 @@
 """CodeLlama-13B: the Llama-2-13B shape, RoPE base 1e6, vocab 32016 (infilling tokens)."""
 
-from lookahead_jax.config import LookaheadConfig
-from lookahead_jax.presets import Preset
+from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.store.presets import Preset
 from models.config import LlamaConfig
 
 

@@ -1,7 +1,7 @@
 """CodeLlama-34B: 48 layers, width 8192, 64 query / 8 KV heads, RoPE base 1e6, vocab 32000."""
 
-from lookahead_jax.config import LookaheadConfig
-from lookahead_jax.presets import Preset
+from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.store.presets import Preset
 from models.config import LlamaConfig
 
 

@@ -2,11 +2,11 @@
 Raven model, prelude 2 + recurrent core 4 (R = 32 recurrences from a noise state) + coda 2
 sandwich blocks, width 5280, 55 heads, vocab 65536, RoPE base 50000, tied embeddings. No
 weights ship with the package: pass --ckpt=/path/to/huginn-0125 (the Hugging Face directory).
-Decoding is plain (`--method=ar`) at full depth; the initial state is deterministic per
-(seed, position) (see models/looped.py)."""
+Decoding: plain (`--method=ar`, the default), loopspec or loopahead. The initial state is
+deterministic per (seed, position) (see models/raven.py)."""
 
-from lookahead_jax.presets import Preset
-from models.looped import LoopedConfig
+from lookahead_jax.store.presets import Preset
+from models.config import LoopedConfig
 
 
 def get_config() -> Preset:

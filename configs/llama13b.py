@@ -1,7 +1,7 @@
 """Llama-2-13B chat: 40 layers, width 5120, 40 heads, vocab 32000."""
 
-from lookahead_jax.config import LookaheadConfig
-from lookahead_jax.presets import Preset
+from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.store.presets import Preset
 from models.config import LlamaConfig
 
 

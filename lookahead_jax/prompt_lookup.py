@@ -20,7 +20,7 @@ pass (`KVCache.append`). Greedy output equals plain greedy decoding token for to
 
 State is static-shaped: the sequence lives in a history buffer [B, prompt bucket +
 max_new_tokens] and the search is vectorised over all its positions at once, so the whole
-generation after the prefill is one `lax.while_loop` (`generation.run_steps`), for any batch.
+generation after the prefill is one `lax.while_loop` (`Method.run`), for any batch.
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from lookahead_jax.generation import Output, prefill, run_steps
+from lookahead_jax.generation import Output
+from lookahead_jax.method import First, Method
 from lookahead_jax.sampling import Sampling
-from lookahead_jax.verify import verify_greedy, verify_sampling
+from lookahead_jax.lookahead.verify import verify_greedy, verify_sampling
 from models.config import ConfigError
 from models.kv_cache import KVCache
-from models.llama import causal_mask
+from models.layers import causal_mask
 
 DEFAULT_TOKENS = 10  # draft length L (`--pl_tokens`)
 DEFAULT_NGRAM = 3  # longest suffix searched for (`--pl_ngram`)
@@ -95,45 +96,41 @@ class PromptLookupState:
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptLookup:
+class PromptLookup(Method):
     """Prompt lookup decoding with drafts of up to `num_tokens` tokens, found by the sequence's
     last `max_ngram` .. 1 tokens. Greedy or sampling (exact, see the module docstring)."""
 
-    sampling: Sampling = Sampling()
     num_tokens: int = DEFAULT_TOKENS
     max_ngram: int = DEFAULT_NGRAM
     verifier: Callable = verify_sampling  # the acceptance rule used when sampling (step.Verifier)
 
+    name = "prompt_lookup"
+
     def __post_init__(self):
+        super().__post_init__()
         for name, flag in (("num_tokens", "pl_tokens"), ("max_ngram", "pl_ngram")):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"prompt lookup: {name} (--{flag}) must be an integer >= 1, "
                                   f"got {value!r}")
 
-    @property
-    def step_tokens(self) -> int:
-        return self.num_tokens + 1  # fed per step, and the most one step commits
+    def cache_capacity(self, model_config) -> int:
+        return self.num_tokens + 1  # a step commits the current token and the accepted draft
 
-    def init(self, graphdef, params, tokens, lengths, cache, key, *, max_new_tokens, eos_ids,
-             vocab_size) -> PromptLookupState:
-        """Prefill, first token, and the history buffer. tokens [B, P] right-padded,
-        lengths [B]."""
-        model = nnx.merge(graphdef, params)
+    def start(self, model, params, first: First) -> PromptLookupState:
+        """The history buffer (prompt + first token) beside the prefilled cache."""
+        tokens, lengths = first.tokens, first.lengths
         b, p = tokens.shape
-        logits, cache = prefill(model, tokens, lengths, cache)
-        key, sub = jax.random.split(key)
-        first = self.sampling.sample(sub, logits)
-        out, _ = Output.init(b, max_new_tokens).emit(first[:, None], jnp.ones_like(lengths),
-                                                     eos_ids)
-        history = jnp.zeros((b, p + max_new_tokens), jnp.int32).at[:, :p].set(tokens)
-        history = history.at[jnp.arange(b), lengths].set(first)
+        m = first.out.tokens.shape[1]
+        history = jnp.zeros((b, p + m), jnp.int32).at[:, :p].set(tokens)
+        history = history.at[jnp.arange(b), lengths].set(first.token)
         stats = PromptLookupStats(jnp.zeros((self.num_tokens + 1,), jnp.int32),
                                   *(jnp.zeros((), jnp.int32) for _ in range(3)))
-        return PromptLookupState(cache, out, first, history, (lengths + 1).astype(jnp.int32),
-                                 key, jnp.ones((), jnp.int32), stats)
+        return PromptLookupState(first.cache, first.out, first.token, history,
+                                 (lengths + 1).astype(jnp.int32), first.key,
+                                 jnp.ones((), jnp.int32), stats)
 
-    def step(self, model: nnx.Module, state: PromptLookupState,
+    def step(self, model: nnx.Module, params, state: PromptLookupState, *,
              eos_ids: tuple[int, ...]) -> PromptLookupState:
         """One forward pass over [current | draft]; emits 1..num_tokens + 1 tokens per row."""
         n = self.num_tokens
@@ -178,12 +175,6 @@ class PromptLookup:
             state.stats.row_steps + live_i.sum())
         return PromptLookupState(cache, out, token, history, state.hist_len + taken, key,
                                  state.steps + 1, stats)
-
-    def run(self, graphdef, params, state: PromptLookupState, max_steps, *,
-            eos_ids) -> PromptLookupState:
-        """Up to `max_steps` steps (or until every row is done) in one while_loop."""
-        model = nnx.merge(graphdef, params)
-        return run_steps(lambda s: self.step(model, s, eos_ids), state, max_steps)
 
     def summary(self, state: PromptLookupState) -> dict:
         """A finished run's statistics (host side)."""

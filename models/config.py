@@ -1,9 +1,14 @@
-"""Hyperparameters of a Llama-family decoder (Llama-2/3, CodeLlama, Mistral-style GQA, SmolLM2)."""
+"""Model hyperparameters as plain frozen dataclasses: `LlamaConfig` (Llama-2/3, CodeLlama,
+Mistral-style GQA, SmolLM2) and `LoopedConfig` (Ouro, Raven / Huginn-0125).
+
+No jax or flax here, so preset files (`configs/`) import only these definitions.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import math
+from typing import Any, ClassVar, Mapping
 
 
 class ConfigError(ValueError):
@@ -104,3 +109,207 @@ class LlamaConfig:
             )
         except KeyError as e:
             raise ConfigError(f"config.json: missing field {e.args[0]!r}") from None
+
+
+FAMILIES = ("ouro", "raven")  # looped-model families
+# Hugging Face `model_type` of a looped checkpoint -> its family
+HF_MODEL_TYPES = {"ouro": "ouro", "huginn_raven": "raven"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopedConfig:
+    """Static shape of a looped model. Hashable, so it can be a jit static argument.
+
+    family: "ouro" | "raven". num_loops: R, the full depth.
+    ouro: num_layers = the shared stack run once per loop (prelude/core/coda must be 0).
+    raven: prelude_layers, core_layers (the recurrent block), coda_layers (num_layers 0).
+    embed_scale / state_std: 0 means the family's default (raven: sqrt(hidden) and
+    sqrt(2 / (5 hidden)); ouro: 1 and unused). noise_seed: the default seed of Raven's initial
+    state (see `models.raven`).
+    """
+
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "family", "vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+        "head_dim", "num_loops", "num_layers", "prelude_layers", "core_layers", "coda_layers",
+        "rope_theta", "tie_word_embeddings", "qk_bias")
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    num_loops: int
+    num_layers: int = 0
+    prelude_layers: int = 0
+    core_layers: int = 0
+    coda_layers: int = 0
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qk_bias: bool = False  # raven: learned per-head biases added to q and k before RoPE
+    embed_scale: float = 0.0
+    state_std: float = 0.0
+    noise_seed: int = 0
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    rope_scaling: None = None  # plain RoPE only (read by models.layers.rope_inv_freq)
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ConfigError(
+                f"model config: family must be one of {FAMILIES}, got {self.family!r}")
+        if self.head_dim == 0 and self.num_heads > 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        raven = self.family == "raven"
+        if self.embed_scale == 0:
+            scale = math.sqrt(self.hidden_size) if raven and self.hidden_size > 0 else 1.0
+            object.__setattr__(self, "embed_scale", scale)
+        if self.state_std == 0 and raven and self.hidden_size > 0:
+            object.__setattr__(self, "state_std", math.sqrt(2 / (5 * self.hidden_size)))
+        object.__setattr__(self, "eos_token_ids", tuple(int(e) for e in self.eos_token_ids))
+        needed = ["vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+                  "head_dim", "num_loops", "num_layers" if not raven else "core_layers"]
+        for name in needed:
+            if getattr(self, name) <= 0:
+                raise ConfigError(
+                    f"model config: {name} must be positive, got {getattr(self, name)}")
+        if raven:
+            for name in ("prelude_layers", "coda_layers"):
+                if getattr(self, name) < 0:
+                    raise ConfigError(
+                        f"model config: {name} must be >= 0, got {getattr(self, name)}")
+            if self.num_layers:
+                raise ConfigError("model config: raven uses prelude_layers/core_layers/coda_layers, "
+                                  f"not num_layers (got num_layers={self.num_layers})")
+            if self.qk_bias and self.num_kv_heads != self.num_heads:
+                raise ConfigError(f"model config: raven qk_bias needs num_kv_heads == num_heads, "
+                                  f"got {self.num_kv_heads} and {self.num_heads}")
+        else:
+            for name in ("prelude_layers", "core_layers", "coda_layers"):
+                if getattr(self, name):
+                    raise ConfigError(f"model config: ouro has no {name} (got "
+                                      f"{getattr(self, name)}); num_layers is its shared stack")
+            if self.qk_bias:
+                raise ConfigError("model config: ouro has no qk_bias")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            raise ConfigError("model config: looped models support plain RoPE only")
+
+    # -- derived shape --------------------------------------------------------------------------
+    @property
+    def loop_layers(self) -> int:
+        """Layers of the recurrent block (ouro: num_layers; raven: core_layers)."""
+        return self.num_layers if self.family == "ouro" else self.core_layers
+
+    @property
+    def loop_slot0(self) -> int:
+        """Cache slot of loop 0, layer 0 (after Raven's prelude slots)."""
+        return self.prelude_layers
+
+    @property
+    def coda_slot0(self) -> int:
+        """Cache slot of Raven's coda at readout depth 1, layer 0."""
+        return self.prelude_layers + self.num_loops * self.loop_layers
+
+    @property
+    def cache_slots(self) -> int:
+        """Layer axis of the KV cache: every (depth, layer) pair that has K/V."""
+        return self.coda_slot0 + self.num_loops * self.coda_layers
+
+    # -- Hugging Face ---------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> "LoopedConfig":
+        """Builds a config from a Hugging Face `config.json` dict: Ouro (`model_type` "ouro",
+        OuroConfig fields, `total_ut_steps` loops) or Huginn/Raven (`model_type` "huginn_raven",
+        RavenConfig fields: n_embd, n_heads, n_layers_in_prelude / _recurrent_block / _coda,
+        mean_recurrence loops, rope_base, norm_eps, tie_embeddings, qk_bias)."""
+        arch = hf.get("model_type")
+        if arch not in HF_MODEL_TYPES:
+            raise ConfigError(f"config.json: model_type {arch!r} is not a looped model "
+                              f"(expected one of {sorted(HF_MODEL_TYPES)})")
+        try:
+            eos = hf.get("eos_token_id")
+            if isinstance(eos, (list, tuple)):
+                eos_ids = tuple(eos)
+            else:
+                eos_ids = (eos,) if eos is not None else ()
+            common = dict(vocab_size=int(hf["vocab_size"]),
+                          intermediate_size=int(hf["intermediate_size"]),
+                          bos_token_id=hf.get("bos_token_id"),
+                          eos_token_ids=tuple(int(e) for e in eos_ids))
+            if arch == "ouro":
+                return cls._from_hf_ouro(hf, common)
+            return cls._from_hf_raven(hf, common)
+        except KeyError as e:
+            raise ConfigError(f"config.json: missing field {e.args[0]!r}") from None
+
+    @classmethod
+    def _from_hf_ouro(cls, hf: Mapping[str, Any], common: dict) -> "LoopedConfig":
+        theta = hf.get("rope_theta", 10000.0)
+        params = hf.get("rope_parameters") or {}  # transformers >= 5
+        if params:
+            theta = params.get("rope_theta", theta)
+            if params.get("rope_type", "default") != "default":
+                raise ConfigError(
+                    f"config.json: unsupported rope scaling {params.get('rope_type')!r}")
+        if hf.get("rope_scaling"):
+            raise ConfigError(f"config.json: unsupported rope_scaling {hf['rope_scaling']!r}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"config.json: unsupported hidden_act {hf['hidden_act']!r}")
+        max_pos = int(hf.get("max_position_embeddings", 4096))
+        # Sliding-window layers equal full attention while the sequence fits in the window;
+        # we implement full attention, so cap positions there (as for Mistral).
+        if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
+            max_pos = min(max_pos, int(hf.get("sliding_window") or max_pos))
+        heads = int(hf["num_attention_heads"])
+        return cls(
+            family="ouro", hidden_size=int(hf["hidden_size"]), num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or 0), num_layers=int(hf["num_hidden_layers"]),
+            num_loops=int(hf.get("total_ut_steps", 4)), rope_theta=float(theta),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=max_pos, **common)
+
+    @classmethod
+    def _from_hf_raven(cls, hf: Mapping[str, Any], common: dict) -> "LoopedConfig":
+        def get(*names, default=None):
+            for n in names:
+                if n in hf:
+                    return hf[n]
+            if default is None:
+                raise KeyError(names[0])
+            return default
+
+        if get("bias", default=False):
+            raise ConfigError("config.json: raven with bias=true (adapter bias) is not supported")
+        if get("injection_type", default="linear") != "linear":
+            raise ConfigError(f"config.json: unsupported injection_type {hf['injection_type']!r}")
+        for field, want in (("block_class_name", "SandwichBlock"), ("mlp_class_name", "GatedMLP"),
+                            ("nonlin_name", "SiLU")):
+            if get(field, default=want) != want:
+                raise ConfigError(
+                    f"config.json: unsupported {field} {hf[field]!r} (expected {want!r})")
+        hidden = int(get("n_embd", "hidden_size"))
+        heads = int(get("n_heads", "num_attention_heads"))
+        return cls(
+            family="raven", hidden_size=hidden, num_heads=heads,
+            num_kv_heads=int(get("num_key_value_heads", default=heads)),
+            prelude_layers=int(get("n_layers_in_prelude", default=2)),
+            core_layers=int(get("n_layers_in_recurrent_block", default=4)),
+            coda_layers=int(get("n_layers_in_coda", default=2)),
+            num_loops=int(get("mean_recurrence", default=32)),
+            rope_theta=float(get("rope_base", default=50000.0)),
+            rms_norm_eps=float(get("norm_eps", default=1e-6)),
+            tie_word_embeddings=bool(get("tie_embeddings", "tie_word_embeddings", default=True)),
+            qk_bias=bool(get("qk_bias", default=True)),
+            max_position_embeddings=int(get("block_size", "max_position_embeddings", default=4096)),
+            **common)

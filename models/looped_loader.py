@@ -22,10 +22,13 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors.numpy import save_file
 
 from models.hf_loader import (CONFIG_FILE, SAFETENSORS_FILE, CheckpointError, config_from_json,
                               load_safetensors_into, read_hf_config_json)
-from models.looped import HF_MODEL_TYPES, LoopedConfig, LoopedLM
+from models.build import build_looped
+from models.config import HF_MODEL_TYPES, LoopedConfig
+from models.looped import LoopedLM
 
 # Recomputed buffers a checkpoint may hold: Ouro's rotary inv_freq, Raven's persistent
 # `freqs_cis` (RoPE cos/sin table).
@@ -114,7 +117,7 @@ def load_hf_looped(path: str | os.PathLike, dtype=jnp.float32,
     cfg = config if config is not None else load_looped_config(path)
     tied = cfg.tie_word_embeddings
     return load_safetensors_into(
-        path, lambda: LoopedLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)), hf_table(cfg), dtype,
+        path, lambda: build_looped(cfg, dtype=dtype, rngs=nnx.Rngs(0)), hf_table(cfg), dtype,
         skip=lambda name: bool(_IGNORED.search(name)) or (name == "lm_head.weight" and tied),
         kind=f"{cfg.family} model",
         missing_hint=lambda missing: (" (config has untied embeddings)"
@@ -182,7 +185,6 @@ def hf_state_dict(model: LoopedLM) -> dict[str, np.ndarray]:
 def save_hf_looped(model: LoopedLM, path: str | os.PathLike) -> None:
     """Writes `config.json` and `model.safetensors` (float32) that `load_hf_looped`, and the
     published modeling code, read."""
-    from safetensors.numpy import save_file  # noqa: PLC0415
 
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)

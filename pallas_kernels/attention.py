@@ -18,16 +18,10 @@ from typing import Any
 import jax
 
 from models.config import ConfigError
-from pallas_kernels.step_mask import dense_attention
+from lookahead_jax.lookahead.mask import dense_attention
+from pallas_kernels.platform import KERNEL_BACKENDS, KernelUnavailable
 
 ATTENTION_NAMES = ("dense", "pallas", "auto")
-# jax platform -> the kernel's Pallas backend
-KERNEL_BACKENDS = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}
-
-
-class KernelUnavailable(RuntimeError):
-    """The Pallas kernel cannot run (compiled) on this platform."""
-
 
 def select_attention(name: str, platform: str | None = None, *, interpret: bool = False,
                      block_q: int | None = None, block_k: int | None = None):

@@ -22,7 +22,7 @@ import functools
 
 import numpy as np
 
-from lookahead_jax.layout import StepLayout
+from lookahead_jax.lookahead.layout import StepLayout
 
 
 def cdiv(a: int, b: int) -> int:

@@ -18,7 +18,7 @@ from typing import Sequence
 
 from absl import app, flags
 
-from lookahead_jax.layout import StepLayout
+from lookahead_jax.lookahead.layout import StepLayout
 from pallas_kernels.block_map import BlockMap
 from pallas_kernels.lookahead_attention import BACKENDS, default_blocks
 

@@ -23,7 +23,15 @@ import sys
 import time
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import app, flags, logging
+
+from lookahead_jax.lookahead.layout import StepLayout
+from lookahead_jax.lookahead.mask import StepMask, dense_attention
+from pallas_kernels.block_map import BlockMap
+from pallas_kernels.lookahead_attention import default_blocks, lookahead_attention
 
 
 def define_flags() -> None:
@@ -50,7 +58,6 @@ def define_flags() -> None:
 
 def _time(fn, args, iters: int, repeats: int) -> float:
     """Median seconds per call of a compiled fn."""
-    import jax  # noqa: PLC0415
     jax.block_until_ready(fn(*args))
     runs = []
     for _ in range(repeats):
@@ -63,16 +70,6 @@ def _time(fn, args, iters: int, repeats: int) -> float:
 
 
 def run_bench(f) -> dict:
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
-
-    from lookahead_jax.layout import StepLayout  # noqa: PLC0415
-    from pallas_kernels.block_map import BlockMap  # noqa: PLC0415
-    from pallas_kernels.lookahead_attention import (  # noqa: PLC0415
-        default_blocks, lookahead_attention)
-    from pallas_kernels.step_mask import StepMask, dense_attention  # noqa: PLC0415
-
     layout = StepLayout(f.W, f.N, f.G)
     t, b, h, hkv, d = layout.size, f.batch, f.heads, f.kv_heads, f.head_dim
     dtype = jnp.dtype(f.dtype)
@@ -144,7 +141,6 @@ def format_table(rec: dict) -> str:
 def main(argv: Sequence[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {' '.join(argv[1:])!r}")
-    import jax  # noqa: PLC0415
     platform = jax.default_backend()
     if platform != "gpu" and not flags.FLAGS.interpret:
         print(f"gpu_bench: no GPU on this machine (jax platform {platform!r}); nothing to "

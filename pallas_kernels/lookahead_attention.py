@@ -36,10 +36,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from models.llama import dot_product_attention
-from pallas_kernels.attention import KernelUnavailable
+from models.layers import dot_product_attention
+from pallas_kernels.platform import KernelUnavailable
 from pallas_kernels.block_map import BlockMap, cdiv
-from pallas_kernels.step_mask import StepMask
+from lookahead_jax.lookahead.mask import StepMask
 
 BACKENDS = ("triton", "mosaic_tpu")
 PLATFORM_OF = {"triton": ("gpu",), "mosaic_tpu": ("tpu",)}

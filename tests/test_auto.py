@@ -1,4 +1,4 @@
-"""Automatic W, N, G (`lookahead_jax.auto`, `decode --auto`): the ranking under synthetic
+"""Automatic W, N, G (`lookahead_jax.tuning.auto`, `decode --auto`): the ranking under synthetic
 step-cost curves, and the CLI flag end to end on the tiny random Llama."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from lookahead_jax import auto
-from lookahead_jax.config import LookaheadConfig
-from lookahead_jax.scaling_law import ScalingFit
+from lookahead_jax.tuning import auto
+from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.tuning.scaling_law import ScalingFit
 from models.config import ConfigError
 
 FIT = ScalingFit(a=0.5, f=2.0)
@@ -46,12 +46,14 @@ def test_moderate_curve_peaks_in_between():
     assert 1 < best.W < 15 and best.tokens <= 64
 
 
-def test_step_tokens_matches_layout():
-    from lookahead_jax.layout import StepLayout
-    for w, n, g in [(1, 3, 1), (15, 5, 15), (4, 3, 0)]:
-        assert auto.step_tokens(w, n, g) == StepLayout(w, n, g).size
-        assert auto.step_tokens(w, n, g) == LookaheadConfig(W=w, N=n, G=g).step_tokens
-    assert auto.step_tokens(15, 5, 15, devices=2) < auto.step_tokens(15, 5, 15)
+def test_ranked_tokens_are_the_layouts_step_tokens():
+    from lookahead_jax.lookahead.layout import StepLayout, tokens_per_step
+    grid = [(1, 3, 1), (15, 5, 15), (4, 3, 0)]
+    for c in auto.rank(FIT, curve(0.0), grid):
+        assert c.tokens == tokens_per_step(c.W, c.N, c.G) == StepLayout(c.W, c.N, c.G).size
+        assert c.tokens == LookaheadConfig(W=c.W, N=c.N, G=c.G).step_tokens
+    two = {c.label: c.tokens for c in auto.rank(FIT, curve(0.0), grid, devices=2)}
+    assert two["(15,5,15)"] == tokens_per_step(15, 5, 15, devices=2) < tokens_per_step(15, 5, 15)
 
 
 def test_candidate_grid_and_measure_points():
@@ -80,6 +82,10 @@ def test_choose_settings_with_a_given_curve_keeps_base_fields():
 
     choice = auto.choose_settings(FakeEngine(), step_costs=curve(0.0), fit=FIT,
                                   grid=auto.candidate_grid((2, 5), (3,)))
+    default = auto.choose_settings(FakeEngine(), step_costs=curve(0.0),
+                                   grid=auto.candidate_grid((2, 5), (3,)))
+    assert default.fit == auto.resolve_fit(None)
+    assert f"({default.fit.source})" in default.report()  # says which fit it used
     assert (choice.config.W, choice.config.N, choice.config.G) == (5, 3, 5)
     assert choice.config.prompt_seeding
     assert choice.config.pool_slots == 0  # base's 4 slots < G = 5: reset to the default (G)
@@ -93,12 +99,10 @@ def test_choose_settings_with_a_given_curve_keeps_base_fields():
 
 
 def test_resolve_fit(tmp_path):
-    import os
-
-    from lookahead_jax.scaling_law import DEFAULT_FIT, REPO, STORED_FIT, load_fit, save_fits
-    stored = os.path.join(REPO, STORED_FIT)
-    assert auto.resolve_fit(None) == (load_fit(stored) if os.path.exists(stored)
-                                      else DEFAULT_FIT)
+    from lookahead_jax.tuning.scaling_law import default_fit, save_fits
+    default = auto.resolve_fit(None)
+    assert default == default_fit()  # the one default, whatever files the working tree has
+    assert "default_fit.json" in default.source
     path = save_fits(str(tmp_path / "fit.json"), {"all": FIT})
     assert (auto.resolve_fit(path).a, auto.resolve_fit(path).f) == (FIT.a, FIT.f)
     assert path in auto.resolve_fit(path).source
@@ -120,14 +124,18 @@ def test_cli_auto_end_to_end(tmp_path):
                                 max_new_tokens=6, W=2, json_out=str(json_out))
     assert code == 0, err
     assert "auto: lookahead W=2" in err and "best candidates" in err
-    assert len(out.split()) >= 1
+    assert "(default fit lookahead_jax/tuning/default_fit.json: " in err  # the fit it used
     data = json.loads(json_out.read_text())
+    tokens = data["results"][0]["tokens"]
+    assert [int(t) for t in out.split()] == tokens  # stdout streams the generated ids
+    assert 1 <= len(tokens) <= 6
     assert data["lookahead"]["W"] == 2
     assert data["auto"]["config"]["W"] == 2
+    assert data["auto"]["fit"]["source"].startswith("default fit ")
 
 
 def test_cli_auto_with_a_stored_fit(tmp_path):
-    from lookahead_jax.scaling_law import save_fits
+    from lookahead_jax.tuning.scaling_law import save_fits
     path = save_fits(str(tmp_path / "fit.json"), {"all": FIT})
     code, _, err = run_inproc(config="tiny_llama", prompt_ids="1,2,3", auto=True, auto_fit=path,
                               max_new_tokens=4, W=1, N=3)

@@ -289,7 +289,7 @@ def test_interactive_reads_lines_until_empty(hf_ckpt):
 
 # -- presets -------------------------------------------------------------------------------------
 def test_every_preset_loads():
-    from lookahead_jax.presets import Preset, available_presets, load_preset
+    from lookahead_jax.store.presets import Preset, available_presets, load_preset
     names = available_presets()
     assert {"smollm2_135m", "tiny_llama", "llama7b", "llama13b", "llama70b", "codellama7b",
             "codellama13b", "codellama34b"} <= set(names)
@@ -305,8 +305,9 @@ def test_every_preset_loads():
 
 
 def test_smollm2_preset_matches_the_embedded_file():
-    from lookahead_jax.model_store import smollm2_gguf
-    from lookahead_jax.presets import check_model_matches, load_preset
+    from lookahead_jax.store.model_store import smollm2_gguf
+    from lookahead_jax.store.checkpoint import check_model_matches
+    from lookahead_jax.store.presets import load_preset
     from models.config import ConfigError
     from models.gguf_loader import load_gguf_config
     try:

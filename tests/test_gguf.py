@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lookahead_jax import model_store
-from lookahead_jax.tokenizer import encode_prompt, load_tokenizer
+from lookahead_jax.store import model_store
+from lookahead_jax.store.tokenizer import encode_prompt, load_tokenizer
 from models.config import ConfigError, LlamaConfig
 from models.gguf_loader import (GGUFError, load_gguf_config, load_gguf_llama, permute_qk,
                                 unpermute_qk)
@@ -242,7 +242,7 @@ def test_untied_and_dtype(tmp_path):
 def test_loaded_model_runs(tiny):
     _, path = tiny
     model = load_gguf_llama(path)
-    from models.llama import causal_mask
+    from models.layers import causal_mask
     toks = jnp.array([[1, 5, 7, 9]], jnp.int32)
     logits, _ = model(toks, jnp.arange(4)[None], causal_mask(jnp.array([4]), 4))
     assert logits.shape == (1, 4, V) and bool(jnp.isfinite(logits).all())
@@ -375,7 +375,7 @@ def test_cache_dir_env(monkeypatch, tmp_path):
 def test_store_without_download(monkeypatch, tmp_path):
     monkeypatch.setenv("LOOKAHEAD_JAX_CACHE", str(tmp_path))
     monkeypatch.setattr(model_store, "_from_package", lambda: None)
-    with pytest.raises(ConfigError, match="python -m lookahead_jax.model_store"):
+    with pytest.raises(ConfigError, match="python -m lookahead_jax.store.model_store"):
         model_store.smollm2_gguf(download=False)
     (tmp_path / model_store.SMOLLM2_FILE).write_bytes(b"GGUF")
     assert model_store.smollm2_gguf(download=False) == tmp_path / model_store.SMOLLM2_FILE

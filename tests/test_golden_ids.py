@@ -23,7 +23,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN = os.path.join(HERE, "data", "golden_ids.json")
-DRAFTER = os.path.join(HERE, "data", "golden_drafter.safetensors")
+DRAFTER = os.path.join(HERE, "data", "golden_drafter_{}.safetensors")  # per preset
 NEW = 24
 SMOL_PROMPTS = ["Write a haiku about JAX.", "What is 2 + 2? Answer briefly.",
                 "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\""]
@@ -44,25 +44,21 @@ LOOPED_METHODS = {
 DRAFTER_SHAPE = dict(hidden_size=64, num_layers=1, num_heads=2, K=3, draft_vocab=64)
 
 
-def _drafter(model_config):
-    """The small drafter of the LoopAhead row: fixed weights from tests/data."""
-    from lookahead_jax.looped.drafter import load_drafter_file  # noqa: PLC0415
-    return load_drafter_file(DRAFTER, model_config)
-
-
-def _method(engine, name: str, settings: dict):
+def _method(engine, preset: str, name: str, settings: dict):
+    """The registry's method; the LoopAhead row's small drafter has fixed weights from
+    tests/data (a drafter file, loaded as `--lad=FILE` would be)."""
     from lookahead_jax.registry import build_method  # noqa: PLC0415
     settings = dict(settings)
     if settings.pop("drafter", False):
-        settings["drafter"] = _drafter(engine.config)
+        settings["lad"] = DRAFTER.format(preset)
     return build_method(name, model_config=engine.config, **settings)
 
 
-def _run_all(engine, prompts_text, methods, chat: bool) -> dict:
+def _run_all(engine, preset, prompts_text, methods, chat: bool) -> dict:
     ids = [engine.encode(p, chat=chat) for p in prompts_text]
     out = {}
     for label, (name, settings) in methods.items():
-        res = engine.generate_ids(ids, method=_method(engine, name, settings),
+        res = engine.generate_ids(ids, method=_method(engine, preset, name, settings),
                                   max_new_tokens=NEW)
         out[label] = {"tokens": res.tokens, "steps": res.stats.steps}
     return out
@@ -87,9 +83,9 @@ def record() -> dict:
     got = {}
     for name, engine in _engines().items():
         if name == "smollm2_135m":
-            got[name] = _run_all(engine, SMOL_PROMPTS, SMOL_METHODS, chat=True)
+            got[name] = _run_all(engine, name, SMOL_PROMPTS, SMOL_METHODS, chat=True)
         else:
-            got[name] = _run_all(engine, LOOPED_PROMPTS, LOOPED_METHODS, chat=True)
+            got[name] = _run_all(engine, name, LOOPED_PROMPTS, LOOPED_METHODS, chat=True)
     return got
 
 
@@ -102,7 +98,7 @@ def golden() -> dict:
 @pytest.mark.parametrize("preset", ["tiny_ouro", "tiny_raven"])
 def test_looped_methods_reproduce_recorded_ids(golden, preset):
     from lookahead_jax.engine import Engine  # noqa: PLC0415
-    got = _run_all(Engine.from_preset(preset), LOOPED_PROMPTS, LOOPED_METHODS, chat=True)
+    got = _run_all(Engine.from_preset(preset), preset, LOOPED_PROMPTS, LOOPED_METHODS, chat=True)
     assert got == golden[preset]
     plain = golden[preset]["ar"]["tokens"]
     assert all(v["tokens"] == plain for v in got.values())  # lossless, greedy
@@ -116,7 +112,7 @@ def test_smollm2_methods_reproduce_recorded_ids(golden):
         smollm2_gguf(download=False)
     except ConfigError as e:
         pytest.skip(f"SmolLM2 not available: {e}")
-    got = _run_all(Engine.from_preset("smollm2_135m"), SMOL_PROMPTS, SMOL_METHODS, chat=True)
+    got = _run_all(Engine.from_preset("smollm2_135m"), "smollm2_135m", SMOL_PROMPTS, SMOL_METHODS, chat=True)
     assert got == golden["smollm2_135m"]
     plain = golden["smollm2_135m"]["ar"]["tokens"]
     assert all(v["tokens"] == plain for v in got.values())

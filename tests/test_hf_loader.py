@@ -20,7 +20,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 from lookahead_jax.generation import prefill  # noqa: E402
 from models.config import ConfigError, RopeScaling  # noqa: E402
 from models.hf_loader import CheckpointError, load_hf_config, load_hf_llama  # noqa: E402
-from models.llama import causal_mask  # noqa: E402
+from models.layers import causal_mask  # noqa: E402
 
 B, T = 2, 12
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lookahead_jax.config import LookaheadConfig
+from lookahead_jax.lookahead.config import LookaheadConfig
 from lookahead_jax.generation import pad_prompts, prefill
-from lookahead_jax.layout import ShardedLayout, StepLayout
+from lookahead_jax.lookahead.layout import ShardedLayout, StepLayout
 from models import KVCache, Llama, LlamaConfig, causal_mask
 
 SHAPES = [(1, 2, 0), (1, 2, 1), (3, 2, 2), (4, 3, 0), (2, 4, 3), (5, 5, 5), (1, 5, 2), (3, 3, 1)]

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lookahead_jax.config import LookaheadConfig
+from lookahead_jax.lookahead.config import LookaheadConfig
 from lookahead_jax.engine import Engine
 from lookahead_jax.generation import cache_length_for, pad_prompts
 from lookahead_jax.sampling import Sampling
-from lookahead_jax.step import Lookahead, lookahead_init, lookahead_run
-from lookahead_jax.verify import Verdict, verify_greedy
+from lookahead_jax.lookahead.step import Lookahead
+from lookahead_jax.lookahead.verify import Verdict, verify_greedy
 from models import KVCache, Llama, LlamaConfig
 
 V = 80
@@ -219,20 +219,22 @@ def test_verify_greedy_rejects_a_wrong_candidate():
     v = _verify([model_says[0]], [[model_says[1], model_says[2], model_says[3]]], [[wrong]], [[1]])
     emitted = v.tokens[0, : v.count[0]].tolist()
     assert emitted == model_says[:2] and v.accepted[0] == 1
-    blind = Verdict(jnp.asarray([3]), jnp.asarray([0]), jnp.asarray([wrong + [14]]),
-                    jnp.asarray([4]))
-    assert np.asarray(blind.tokens)[0].tolist() != model_says  # what losslessness forbids
+    # a right candidate is accepted whole: the cut above is the wrong token's doing
+    right = _verify([model_says[0]], [[model_says[1], model_says[2], model_says[3]]],
+                    [[model_says[:3]]], [[1]])
+    assert right.tokens[0, : right.count[0]].tolist() == model_says and right.accepted[0] == 3
 
 
 # ------------------------------------------------- the compiled functions, by hand ---
 
 def _jitted(graphdef, cfg, max_new, eos):
-    """lookahead_init / lookahead_run compiled with everything static that must be."""
-    sampling = Sampling()
-    init = jax.jit(functools.partial(lookahead_init, graphdef, cfg=cfg, sampling=sampling,
-                                     max_new_tokens=max_new, eos_ids=eos, vocab_size=V))
-    run = jax.jit(functools.partial(lookahead_run, graphdef, cfg=cfg, sampling=sampling,
-                                    eos_ids=eos))
+    """The method's init / run compiled with everything static that must be; both take the
+    model's params (bundled with the method's own, none here, as the engine does)."""
+    method = Lookahead(config=cfg)
+    init = jax.jit(lambda p, *a: method.init(graphdef, {"model": p, "method": {}}, *a,
+                                             max_new_tokens=max_new, eos_ids=eos))
+    run = jax.jit(lambda p, s, n: method.run(graphdef, {"model": p, "method": {}}, s, n,
+                                             eos_ids=eos))
     return init, run
 
 
@@ -337,7 +339,7 @@ def test_whole_generation_under_transfer_guard_and_bounded_memory(long_run, plai
             assert chunks <= LONG // 250 + 2
     count = int(jax.device_get(state.out.count)[0])
     steps = int(jax.device_get(state.steps))
-    summary = Lookahead(LONG_CFG).summary(state)
+    summary = Lookahead(config=LONG_CFG).summary(state)
     print(f"\n{count} tokens in {steps} steps (S={count / steps:.2f}), {chunks} chunks, "
           f"live bytes per chunk {sorted(set(live))}, pool_bytes={summary['pool_bytes']}, "
           f"accepted_hist={summary['accepted_hist']}")

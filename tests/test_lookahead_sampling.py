@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lookahead_jax.config import LookaheadConfig
+from lookahead_jax.lookahead.config import LookaheadConfig
 from lookahead_jax.engine import Engine
 from lookahead_jax.generation import cache_length_for, pad_prompts
 from lookahead_jax.sampling import Sampling
-from lookahead_jax.step import Lookahead
-from lookahead_jax.verify import Verdict, verify_sampling
+from lookahead_jax.lookahead.step import Lookahead
+from lookahead_jax.lookahead.verify import Verdict, verify_sampling
 from models import KVCache, Llama, LlamaConfig
 from models.config import ConfigError
-from models.llama import causal_mask
+from models.layers import causal_mask
 
 V = 6
 NEW = 3  # tokens whose joint distribution is tested
@@ -172,13 +172,14 @@ def test_chi_square_helper():
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _init(method, graphdef, params, tokens, lengths, cache, key):
-    return method.init(graphdef, params, tokens, lengths, cache, key, max_new_tokens=NEW,
-                       eos_ids=(), vocab_size=V)
+    return method.init(graphdef, {"model": params, "method": {}}, tokens, lengths, cache, key,
+                       max_new_tokens=NEW, eos_ids=())
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _run(method, graphdef, params, state):
-    return method.run(graphdef, params, state, jnp.asarray(NEW, jnp.int32), eos_ids=())
+    return method.run(graphdef, {"model": params, "method": {}}, state,
+                      jnp.asarray(NEW, jnp.int32), eos_ids=())
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +196,7 @@ def initial(model):
         s = cache_length_for(tokens.shape[1], NEW, CFG.N, c.max_position_embeddings,
                              tokens.shape[1] + NEW + CFG.N)
         cache = KVCache.init(c.num_layers, SAMPLES, s, c.num_kv_heads, c.head_dim)
-        return _init(Lookahead(CFG, sampling), graphdef, params, jnp.asarray(tokens),
+        return _init(Lookahead(sampling, config=CFG), graphdef, params, jnp.asarray(tokens),
                      jnp.asarray(lengths), cache, jax.random.key(0))
     return get
 
@@ -207,7 +208,7 @@ def draw(model, initial):
 
     @functools.lru_cache(maxsize=None)
     def get(sampling: Sampling, verifier=verify_sampling):
-        method = Lookahead(CFG, sampling, verifier=verifier)
+        method = Lookahead(sampling, config=CFG, verifier=verifier)
         state = _run(method, graphdef, params, initial(sampling))
         assert bool(np.asarray(state.out.done).all())
         assert (np.asarray(state.out.count) == NEW).all()

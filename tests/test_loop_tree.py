@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lookahead_jax.loop_tree import LoopTree, commit_root, loop_advance, prefill_all_depths
-from models.looped import LoopedLM
+from lookahead_jax.looped.tree import LoopTree, commit_root, loop_advance, prefill_all_depths
+from models.build import build_looped
 from test_looped import CONFIGS, _perturb_norms  # noqa: E402
 
 PROMPT = [5, 9, 11, 3, 4]
@@ -21,7 +21,7 @@ CHAIN = [17, 23, 31, 40]  # tokens after the prompt, one per position
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def model(request):
-    return _perturb_norms(LoopedLM(CONFIGS[request.param], rngs=nnx.Rngs(2)))
+    return _perturb_norms(build_looped(CONFIGS[request.param], rngs=nnx.Rngs(2)))
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,14 @@ from flax import nnx
 
 from lookahead_jax.engine import Engine
 from lookahead_jax.generation import Output
-from lookahead_jax.loopahead import LadDrafter, LoopAhead, request_tokens
-from lookahead_jax.loopspec import LoopSpec
+from lookahead_jax.looped.drafter import LadDrafter
+from lookahead_jax.looped.loopahead import LoopAhead, request_tokens
+from lookahead_jax.looped.loopspec import LoopSpec
 from lookahead_jax.sampling import Sampling
-from models.looped import LoopedLM
+from models.build import build_looped
 from test_looped import CONFIGS, _perturb_norms  # noqa: E402
 from test_loopspec import FACTOR, PROMPTS, agreeable  # noqa: E402
-from train_lad.model import DrafterShape, LookaheadDrafter
+from lookahead_jax.looped.drafter import DrafterShape, LookaheadDrafter
 
 NEW = 24
 
@@ -29,7 +30,7 @@ NEW = 24
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def engine(request) -> Engine:
     fam = request.param
-    model = agreeable(_perturb_norms(LoopedLM(CONFIGS[fam], rngs=nnx.Rngs(3))), FACTOR[fam])
+    model = agreeable(_perturb_norms(build_looped(CONFIGS[fam], rngs=nnx.Rngs(3))), FACTOR[fam])
     return Engine(model, eos_ids=())
 
 

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lookahead_jax.loopahead import LoopAhead
-from lookahead_jax.loopspec import draft_chances, verify_drafts
+from lookahead_jax.looped.loopahead import LoopAhead
+from lookahead_jax.looped.spec_sampling import draft_chances, verify_drafts
 from test_loopspec import (ALPHA, SAMPLES, SETTINGS, V, WRONG_P, check,  # noqa: F401
                            exact_probs, sample_many, small_model)
 

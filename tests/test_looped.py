@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.config import ConfigError
+from models.build import build_looped
+from models.config import ConfigError, LoopedConfig
 from models.kv_cache import KVCache
-from models.llama import causal_mask
-from models.looped import LoopedConfig, LoopedLM
+from models.layers import causal_mask
+from models.looped import LoopedLM
 
 ATOL = 1e-5
 B, T = 2, 9
@@ -63,7 +64,7 @@ class Jitted:
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def model(request):
-    return _perturb_norms(LoopedLM(CONFIGS[request.param], rngs=nnx.Rngs(0)))
+    return _perturb_norms(build_looped(CONFIGS[request.param], rngs=nnx.Rngs(0)))
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +292,7 @@ def test_mixed_depth_batch(model, fast, reference):
 # ---- Raven's initial state --------------------------------------------------------------------
 
 def test_raven_noise_is_a_function_of_seed_and_position():
-    model = LoopedLM(CONFIGS["raven"], rngs=nnx.Rngs(0))
+    model = build_looped(CONFIGS["raven"], rngs=nnx.Rngs(0))
     e = jnp.zeros((B, 6, 32))
     pos = _positions(6, 10)
     h = model.initial_state(e, pos)
@@ -368,7 +369,7 @@ def test_from_hf():
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_engine_greedy_equals_naive_argmax(family):
     from lookahead_jax.engine import Engine  # noqa: PLC0415
-    model = _perturb_norms(LoopedLM(CONFIGS[family], rngs=nnx.Rngs(3)))
+    model = _perturb_norms(build_looped(CONFIGS[family], rngs=nnx.Rngs(3)))
     fast = Jitted(model)
     prompts = [[5, 9, 11, 3], [7, 8]]
     new = 6

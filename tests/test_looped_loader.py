@@ -13,9 +13,10 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from models.config import ConfigError
+from models.build import build_looped
+from models.config import ConfigError, LoopedConfig
 from models.hf_loader import CheckpointError
-from models.looped import LoopedConfig, LoopedLM
+from models.looped import LoopedLM
 from models.looped_loader import (hf_state_dict, is_looped_checkpoint, load_hf_looped,
                                   load_looped_config, save_hf_looped)
 
@@ -48,7 +49,7 @@ RAVEN_TOP = {"transformer.wte.weight", "transformer.adapter.weight", "transforme
 
 def _model(family: str, **overrides) -> LoopedLM:
     import dataclasses  # noqa: PLC0415
-    model = LoopedLM(dataclasses.replace(CONFIGS[family], **overrides), rngs=nnx.Rngs(5))
+    model = build_looped(dataclasses.replace(CONFIGS[family], **overrides), rngs=nnx.Rngs(5))
     rng = np.random.default_rng(2)
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if path[-1] in ("weight", "bias"):  # norms and the exit gate's bias: not the init values
@@ -227,7 +228,8 @@ def test_config_overrides_and_shape_check(tmp_path, saved):
 # ---- presets --------------------------------------------------------------------------------
 
 def test_looped_presets():
-    from lookahead_jax.presets import load_model_and_tokenizer, load_preset  # noqa: PLC0415
+    from lookahead_jax.store.checkpoint import load_model_and_tokenizer  # noqa: PLC0415
+    from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
     shapes = {"ouro_1p4b": ("ouro", 24, 4), "ouro_2p6b": ("ouro", 48, 4),
               "huginn_0125": ("raven", 4, 32), "tiny_ouro": ("ouro", 2, 4),
               "tiny_raven": ("raven", 2, 8)}
@@ -250,7 +252,8 @@ def test_looped_presets():
 def test_preset_loads_looped_checkpoint_and_checks_shape(tmp_path):
     import dataclasses  # noqa: PLC0415
 
-    from lookahead_jax.presets import Preset, load_model_and_tokenizer  # noqa: PLC0415
+    from lookahead_jax.store.checkpoint import load_model_and_tokenizer
+    from lookahead_jax.store.presets import Preset  # noqa: PLC0415
     model = _model("raven")
     save_hf_looped(model, tmp_path)
     preset = Preset("t", "t", model.config, None, str(tmp_path), chat=False)
@@ -275,7 +278,7 @@ def test_engine_from_tiny_preset():
 @pytest.mark.parametrize("name", ["tiny_ouro", "tiny_raven"])
 def test_shipped_tiny_presets_generate_text(name):
     from lookahead_jax.engine import Engine  # noqa: PLC0415
-    from lookahead_jax.presets import load_preset  # noqa: PLC0415
+    from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
     if not os.path.isdir(load_preset(name).checkpoint):
         pytest.skip(f"checkpoints/{name} not present")
     engine = Engine.from_preset(name)

@@ -18,11 +18,13 @@ from flax import nnx
 
 from lookahead_jax.engine import Engine
 from lookahead_jax.generation import pad_prompts
-from lookahead_jax.loop_tree import LoopTree
-from lookahead_jax.loopspec import LoopSpec, verify_drafts
+from lookahead_jax.looped.tree import LoopTree
+from lookahead_jax.looped.loopspec import LoopSpec
+from lookahead_jax.looped.spec_sampling import verify_drafts
 from lookahead_jax.sampling import Sampling
-from models.config import ConfigError
-from models.looped import LoopedConfig, LoopedLM
+from models.build import build_looped
+from models.config import ConfigError, LoopedConfig
+from models.looped import LoopedLM
 from test_lookahead_sampling import chi_square  # noqa: E402
 from test_looped import CONFIGS, _perturb_norms  # noqa: E402
 
@@ -47,7 +49,7 @@ FACTOR = {"ouro": 0.03, "raven": 0.3}
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def engine(request) -> Engine:
     fam = request.param
-    model = agreeable(_perturb_norms(LoopedLM(CONFIGS[fam], rngs=nnx.Rngs(3))), FACTOR[fam])
+    model = agreeable(_perturb_norms(build_looped(CONFIGS[fam], rngs=nnx.Rngs(3))), FACTOR[fam])
     return Engine(model, eos_ids=())
 
 
@@ -144,8 +146,9 @@ def test_bad_settings(engine):
     graphdef, params = nnx.split(model)
     tokens, lengths = pad_prompts([[1, 2]])
     with pytest.raises(ConfigError, match="scratch positions"):  # 16 + 2 + (R + 1) > 20
-        LoopSpec(d1=1).init(graphdef, params, tokens, lengths, model.init_cache(1, 20),
-                            jax.random.key(0), max_new_tokens=2, eos_ids=(), vocab_size=97)
+        LoopSpec(d1=1).init(graphdef, {"model": params, "method": {}}, tokens, lengths,
+                            model.init_cache(1, 20), jax.random.key(0), max_new_tokens=2,
+                            eos_ids=())
 
 
 def test_needs_a_looped_model():
@@ -194,7 +197,7 @@ SAMPLING_CFG = LoopedConfig(family="ouro", vocab_size=V, hidden_size=32, interme
 def small_model() -> LoopedLM:
     """A 6-token Ouro with 3 loops whose readouts are high-entropy and differ between depth
     1 and depth 3 (so drafts are often rejected and often accepted)."""
-    model = _perturb_norms(LoopedLM(SAMPLING_CFG, rngs=nnx.Rngs(0)))
+    model = _perturb_norms(build_looped(SAMPLING_CFG, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(0)
     emb = rng.normal(size=(V, 32)).astype(np.float32)
     model.embed_tokens.embedding.set_value(jnp.asarray(emb / np.linalg.norm(emb, axis=1,
@@ -232,10 +235,9 @@ def exact_probs(small_model):
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _generate(method, graphdef, params, tokens, lengths, cache, key):
-    if hasattr(method, "bundle_params"):  # LoopAhead: the drafter's parameters travel along
-        params = method.bundle_params(params)
+    params = {"model": params, "method": method.params()}  # LoopAhead: the drafter's too
     state = method.init(graphdef, params, tokens, lengths, cache, key, max_new_tokens=NEW,
-                        eos_ids=(), vocab_size=V)
+                        eos_ids=())
     return method.run(graphdef, params, state, jnp.asarray(8 * NEW, jnp.int32), eos_ids=())
 
 

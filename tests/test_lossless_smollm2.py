@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lookahead_jax.config import LookaheadConfig
+from lookahead_jax.lookahead.config import LookaheadConfig
 
 pytestmark = pytest.mark.slow
 
@@ -30,14 +30,14 @@ NEAR_TIE = 1e-4
 
 @pytest.fixture(scope="module")
 def engine():
-    from lookahead_jax.model_store import smollm2_gguf  # noqa: PLC0415
-    from lookahead_jax.presets import load_engine  # noqa: PLC0415
+    from lookahead_jax.store.model_store import smollm2_gguf  # noqa: PLC0415
+    from lookahead_jax.engine import Engine  # noqa: PLC0415
     from models.config import ConfigError  # noqa: PLC0415
     try:
         smollm2_gguf(download=False)
     except ConfigError as e:
         pytest.skip(f"SmolLM2 not available: {e}")
-    return load_engine("smollm2_135m")
+    return Engine.from_preset("smollm2_135m")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def plain_outputs(engine, prompts):
 def top2_gap(engine, ids: list[int]) -> float:
     """Gap between the two largest next-token logits after `ids` (a plain causal forward)."""
     from flax import nnx  # noqa: PLC0415
-    from models.llama import causal_mask  # noqa: PLC0415
+    from models.layers import causal_mask  # noqa: PLC0415
     model = nnx.merge(engine.graphdef, engine.params)
     toks = jnp.asarray([ids], jnp.int32)
     t = toks.shape[1]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lookahead_jax.ngram_pool import NGramPool, committed_ngrams, prompt_ngrams
+from lookahead_jax.lookahead.ngram_pool import NGramPool, committed_ngrams, prompt_ngrams
 
 
 class PyPool:

@@ -77,12 +77,12 @@ def has_png(outputs: list[dict]) -> bool:
 
 
 def test_quickstart(tmp_path):
-    from lookahead_jax.model_store import smollm2_gguf  # noqa: PLC0415
+    from lookahead_jax.store.model_store import smollm2_gguf  # noqa: PLC0415
     from models.config import ConfigError  # noqa: PLC0415
     try:
         smollm2_gguf(download=False)
     except ConfigError:
-        pytest.skip("SmolLM2 not fetched (python -m lookahead_jax.model_store)")
+        pytest.skip("SmolLM2 not fetched (python -m lookahead_jax.store.model_store)")
     outputs = execute("quickstart.ipynb", tmp_path)
     text = text_of(outputs)
     assert "nothing to install" in text or "nothing installed" in text  # the Colab TPU cell

@@ -22,10 +22,10 @@ import pytest
 from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
-from lookahead_jax.config import LookaheadConfig
+from lookahead_jax.lookahead.config import LookaheadConfig
 from lookahead_jax.engine import Engine
-from lookahead_jax.layout import StepLayout
-from lookahead_jax.step import Lookahead
+from lookahead_jax.lookahead.layout import StepLayout
+from lookahead_jax.lookahead.step import Lookahead
 from models import ConfigError, KVCache, Llama, LlamaConfig, dot_product_attention
 from pallas_kernels import block_stats as block_stats_mod
 from pallas_kernels import gpu_bench
@@ -33,7 +33,7 @@ from pallas_kernels import lookahead_attention as la
 from pallas_kernels.attention import KernelUnavailable, select_attention
 from pallas_kernels.block_map import BlockMap
 from pallas_kernels.lookahead_attention import PallasAttention, lookahead_attention
-from pallas_kernels.step_mask import StepMask, dense_attention
+from lookahead_jax.lookahead.mask import StepMask, dense_attention
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -190,7 +190,7 @@ def test_compiled_kernels_raise_off_their_platform():
     with pytest.raises(KernelUnavailable):
         select_attention("pallas")  # this platform
     with pytest.raises(KernelUnavailable):
-        Lookahead(LookaheadConfig(W=2, N=2, G=1), attention="pallas")
+        Lookahead(config=LookaheadConfig(W=2, N=2, G=1), attention="pallas")
     with pytest.raises(ConfigError, match="attention must be one of"):
         select_attention("flash", "gpu")
 
@@ -203,7 +203,7 @@ def test_select_attention_by_platform():
     assert select_attention("pallas", "cuda") == PallasAttention("triton")
     assert select_attention("pallas", "cpu", interpret=True) == PallasAttention(
         "triton", interpret=True)
-    assert Lookahead(LookaheadConfig(W=2, N=2, G=1), attention="auto").attention == "auto"
+    assert Lookahead(config=LookaheadConfig(W=2, N=2, G=1), attention="auto").attention == "auto"
 
 
 @pytest.mark.parametrize("backend, platform, target", [

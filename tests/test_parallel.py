@@ -26,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lookahead_jax.config import LookaheadConfig
-from lookahead_jax.engine import Engine, resolve_method
+from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.engine import Engine
+from lookahead_jax.registry import build_method
 from lookahead_jax.sampling import Sampling
-from lookahead_jax.step import Lookahead
+from lookahead_jax.lookahead.step import Lookahead
 from models.config import ConfigError
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -82,9 +83,8 @@ SETTINGS = [(4, 3, 4, 2, False), (5, 4, 3, 3, True), (15, 5, 15, 8, False), (3, 
 @pytest.mark.parametrize("W,N,G,D,seeding", SETTINGS)
 def test_greedy_equals_single_device_and_plain(engine, plain, W, N, G, D, seeding):
     cfg = LookaheadConfig(W=W, N=N, G=G, prompt_seeding=seeding)
-    single = engine.generate_ids(PROMPTS, method=Lookahead(cfg), max_new_tokens=MAX_NEW)
-    par = engine.generate_ids(PROMPTS, method=resolve_method("lookahead", Sampling(), cfg,
-                                                             devices=D),
+    single = engine.generate_ids(PROMPTS, method=Lookahead(config=cfg), max_new_tokens=MAX_NEW)
+    par = engine.generate_ids(PROMPTS, method=build_method("lookahead", lookahead=cfg, devices=D),
                               max_new_tokens=MAX_NEW)
     assert type(par.stats.extra.get("devices")) is int and par.stats.extra["devices"] == D
     assert par.tokens == single.tokens == plain
@@ -106,10 +106,10 @@ def test_sampling_equals_single_device(engine, W, N, G, D, sampling):
     accept/reject decision comes from the device holding the logits it needs."""
     cfg = LookaheadConfig(W=W, N=N, G=G, prompt_seeding=True)
     for seed in (0, 7):
-        single = engine.generate_ids(PROMPTS, method=Lookahead(cfg, sampling),
+        single = engine.generate_ids(PROMPTS, method=Lookahead(sampling, config=cfg),
                                      max_new_tokens=MAX_NEW, seed=seed)
-        par = engine.generate_ids(PROMPTS, method=resolve_method("lookahead", sampling, cfg,
-                                                                 devices=D),
+        par = engine.generate_ids(PROMPTS, method=build_method("lookahead", sampling=sampling,
+                                                               lookahead=cfg, devices=D),
                                   max_new_tokens=MAX_NEW, seed=seed)
         assert par.tokens == single.tokens, seed
         assert par.stats.steps == single.stats.steps
@@ -148,7 +148,7 @@ def compiled_run_hlo(method) -> str:
     (15, 5, 15, 8, Sampling()), (5, 4, 3, 3, Sampling(temperature=1.0))])
 def test_collectives_move_only_token_ids(engine, W, N, G, D, sampling):
     cfg = LookaheadConfig(W=W, N=N, G=G)
-    method = resolve_method("lookahead", sampling, cfg, devices=D)
+    method = build_method("lookahead", sampling=sampling, lookahead=cfg, devices=D)
     found = collectives(compiled_run_hlo(method))
     assert found, "no collective found: the steps must exchange token ids"
     assert all(dtype in INTEGER for _, dtype, _ in found), found
@@ -200,12 +200,11 @@ def test_cli_devices_flag():
 def test_devices_errors():
     too_many = len(jax.devices()) + 1
     with pytest.raises(ConfigError, match="devices asked for"):
-        resolve_method("lookahead", Sampling(), LookaheadConfig(), devices=too_many)
+        build_method("lookahead", devices=too_many)
     with pytest.raises(ConfigError, match="dense attention only"):
-        resolve_method("lookahead", Sampling(), LookaheadConfig(), attention="pallas",
-                       devices=2)
-    for kw, msg in ((dict(devices=0), "--devices must be >= 1"),
-                    (dict(devices=2, method="ar"), "--devices only applies"),
+        build_method("lookahead", attention="pallas", devices=2)
+    for kw, msg in ((dict(devices=0), "devices must be >= 1"),
+                    (dict(devices=2, method="ar"), "--devices) only applies to --method=lookahead"),
                     (dict(devices=too_many), "devices asked for")):
         code, _, err = _cli(**kw)
         assert code == 2 and msg in err and "Traceback" not in err, err

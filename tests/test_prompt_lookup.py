@@ -17,14 +17,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lookahead_jax.engine import Engine, resolve_method
+from lookahead_jax.engine import Engine
+from lookahead_jax.registry import build_method
 from lookahead_jax.generation import cache_length_for, pad_prompts
 from lookahead_jax.prompt_lookup import PromptLookup, find_draft
 from lookahead_jax.sampling import Sampling
-from lookahead_jax.verify import Verdict, verify_sampling
+from lookahead_jax.lookahead.verify import Verdict, verify_sampling
 from models import KVCache
 from models.config import ConfigError
-from models.llama import causal_mask
+from models.layers import causal_mask
 from test_cli import assert_error, run_cli, run_inproc, stats_lines  # noqa: E402
 from test_lookahead import expected  # noqa: E402
 from test_lookahead_sampling import chi_square, make_model  # noqa: E402
@@ -88,12 +89,14 @@ def test_bad_settings(kw, fragment):
         PromptLookup(**kw)
 
 
-def test_resolve_method():
-    m = resolve_method("prompt_lookup", Sampling(0.5), None)
+def test_registry_builds_prompt_lookup():
+    m = build_method("prompt_lookup", sampling=Sampling(0.5))
     assert m == PromptLookup(Sampling(0.5)) and (m.num_tokens, m.max_ngram) == (10, 3)
-    assert m.step_tokens == 11
+    assert m.cache_capacity(None) == 11
+    assert build_method("prompt_lookup", pl_tokens=4, pl_ngram=2) == PromptLookup(
+        num_tokens=4, max_ngram=2)
     with pytest.raises(ConfigError, match="prompt_lookup"):
-        resolve_method("no_such_method", Sampling(), None)
+        build_method("no_such_method")
 
 
 # ------------------------------------------------------- tiny_llama: lossless greedy ---
@@ -105,7 +108,8 @@ TINY_PROMPTS = [[5, 6, 7, 8, 9] * 2 + [5, 6, 7],  # repetitive: drafts hit
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from lookahead_jax.presets import load_model_and_tokenizer, load_preset  # noqa: PLC0415
+    from lookahead_jax.store.checkpoint import load_model_and_tokenizer  # noqa: PLC0415
+    from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
     return load_model_and_tokenizer(load_preset("tiny_llama"), None, None)[0]
 
 
@@ -216,15 +220,16 @@ def sample_first3(sampling, verifier=verify_sampling):
     method = PromptLookup(sampling, num_tokens=2, max_ngram=2, verifier=verifier)
     tokens, lengths = pad_prompts([PROMPT] * SAMPLES)
     c = model.config
-    need = tokens.shape[1] + 3 + method.step_tokens  # a small cache for SAMPLES rows
-    s = cache_length_for(tokens.shape[1], 3, method.step_tokens, c.max_position_embeddings,
-                         need)
+    capacity = method.cache_capacity(c)
+    need = tokens.shape[1] + 3 + capacity  # a small cache for SAMPLES rows
+    s = cache_length_for(tokens.shape[1], 3, capacity, c.max_position_embeddings, need)
     cache = KVCache.init(c.num_layers, SAMPLES, s, c.num_kv_heads, c.head_dim)
 
     @jax.jit
     def go(params, tokens, lengths, cache):
+        params = {"model": params, "method": {}}
         st = method.init(graphdef, params, tokens, lengths, cache, jax.random.key(0),
-                         max_new_tokens=3, eos_ids=(), vocab_size=V)
+                         max_new_tokens=3, eos_ids=())
         return method.run(graphdef, params, st, jnp.asarray(3, jnp.int32), eos_ids=())
 
     state = go(params, jnp.asarray(tokens), jnp.asarray(lengths), cache)
@@ -281,13 +286,13 @@ def test_smollm2_equals_plain_greedy():
     """The embedded SmolLM2 (chat template): a batch of 2 prompts that ask for copies of their
     own text gives plain greedy decoding's tokens (each prompt alone), ending at EOS, with
     long runs of draft tokens accepted."""
-    from lookahead_jax.model_store import smollm2_gguf  # noqa: PLC0415
-    from lookahead_jax.presets import load_engine  # noqa: PLC0415
+    from lookahead_jax.store.model_store import smollm2_gguf  # noqa: PLC0415
+    from lookahead_jax.engine import Engine  # noqa: PLC0415
     try:
         smollm2_gguf(download=False)
     except ConfigError as e:
         pytest.skip(f"SmolLM2 not available: {e}")
-    engine = load_engine("smollm2_135m")
+    engine = Engine.from_preset("smollm2_135m")
     ids = [engine.encode(p) for p in SMOL_PROMPTS]
     assert len(ids[0]) != len(ids[1])
     ref = [engine.generate_ids([p], method="ar", max_new_tokens=40).tokens[0] for p in ids]

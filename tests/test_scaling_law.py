@@ -1,5 +1,6 @@
 """The scaling law: E(a, g, b) and S(a, f, N, G), the least-squares fit of (a, f), stored fits,
-the plot helper."""
+the one default fit (package data, equal to a refit of the committed results), and the
+benchmarks' fit helpers and plot."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import os
 import numpy as np
 import pytest
 
-from lookahead_jax import scaling_law as sl
+from benchmarks import fits as bench_fits
+from lookahead_jax.tuning import scaling_law as sl
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_expected_accepted_limits():
@@ -114,17 +118,49 @@ def test_law_rejects_bad_parameters():
     with pytest.raises(ValueError, match="integers"):
         sl.expected_accepted(0.5, 2.5, 3)
     with pytest.raises(ValueError, match="W must be >= 1"):
-        sl.DEFAULT_FIT.predict_S(0, 5, 5)
+        sl.default_fit().predict_S(0, 5, 5)
 
 
-def test_default_fit_matches_stored_results():
-    """DEFAULT_FIT's numbers are the fit of the stored SmolLM2 runs (refit if they change)."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not all(os.path.exists(os.path.join(repo, p)) for p in sl.DEFAULT_SOURCES):
-        pytest.skip("stored benchmark results absent")
-    refit = sl.default_fit_from_results(repo)
-    assert refit.a == pytest.approx(sl.DEFAULT_A, abs=1e-3)
-    assert refit.f == pytest.approx(sl.DEFAULT_F, rel=1e-3)
+def test_default_fit_is_the_shipped_package_data():
+    """One default fit: the package's default_fit.json, read as package data (not through a
+    repository path), naming where it comes from."""
+    from importlib import resources
+    shipped = json.loads(resources.files("lookahead_jax.tuning")
+                         .joinpath(sl.DEFAULT_FIT_FILE).read_text())
+    fit_ = sl.default_fit()
+    assert (fit_.a, fit_.f, fit_.rmse, fit_.points) == (
+        shipped["a"], shipped["f"], shipped["rmse"], shipped["points"])
+    assert fit_.source.startswith("default fit lookahead_jax/tuning/default_fit.json: ")
+    assert bench_fits.DEFAULT_RESULTS in fit_.source and shipped["points"] == 42
+    assert 0 < fit_.a < 1 and fit_.f >= 1
+
+
+def test_default_fit_matches_committed_results():
+    """The shipped default fit equals a refit of the committed sweep it names (rewrite it with
+    `python -m benchmarks.fits` when the results change)."""
+    results = os.path.join(REPO, bench_fits.DEFAULT_RESULTS)
+    if not os.path.exists(results):
+        pytest.skip(f"{bench_fits.DEFAULT_RESULTS} absent (an installed package, not a checkout)")
+    refit = bench_fits.default_fit_from_results()
+    shipped = sl.default_fit()
+    assert refit.a == pytest.approx(shipped.a, rel=1e-12)
+    assert refit.f == pytest.approx(shipped.f, rel=1e-12)
+    assert refit.rmse == pytest.approx(shipped.rmse, rel=1e-12)
+    assert refit.points == shipped.points
+    assert shipped.source.endswith(refit.source)
+    # and it is the sweep's own pooled fit, as the suite recorded it
+    with open(results, encoding="utf-8") as f:
+        stored = json.load(f)["fits"]["all"]
+    assert (stored["a"], stored["f"]) == (pytest.approx(refit.a), pytest.approx(refit.f))
+
+
+def test_write_default_fit_round_trips(tmp_path):
+    results = os.path.join(REPO, bench_fits.DEFAULT_RESULTS)
+    if not os.path.exists(results):
+        pytest.skip(f"{bench_fits.DEFAULT_RESULTS} absent")
+    path = bench_fits.write_default_fit(str(tmp_path / "fit.json"))
+    loaded = sl.load_fit(path)
+    assert (loaded.a, loaded.f, loaded.points) == (sl.default_fit().a, sl.default_fit().f, 42)
 
 
 def test_points_from_summary_filters():
@@ -134,10 +170,11 @@ def test_points_from_summary_filters():
              "prompts": 4},
             {"dataset": "gsm8k", "method": "(5,5,5) +prompt", "W": 5, "N": 5, "G": 5, "S": 2.1,
              "prompts": 3}]
-    assert sl.points_from_summary(rows) == ([(5, 5, 5, 1.8)], [4.0])
-    assert sl.points_from_summary(rows, prompt_seeding=True) == ([(5, 5, 5, 2.1)], [3.0])
-    assert len(sl.points_from_summary(rows, prompt_seeding=None)[0]) == 2
-    assert sl.points_from_summary(rows, dataset="gsm8k")[0] == []
+    points = bench_fits.points_from_summary
+    assert points(rows) == ([(5, 5, 5, 1.8)], [4.0])
+    assert points(rows, prompt_seeding=True) == ([(5, 5, 5, 2.1)], [3.0])
+    assert len(points(rows, prompt_seeding=None)[0]) == 2
+    assert points(rows, dataset="gsm8k")[0] == []
 
 
 def test_save_and_load_fits(tmp_path):
@@ -169,8 +206,21 @@ def test_save_and_load_fits(tmp_path):
 
 
 def test_plot_fit(tmp_path):
+    from benchmarks.plots import plot_fit
     pts = synthetic(0.5, 2.0, 0.01)
     res = sl.fit(pts)
-    path = sl.plot_fit({"synthetic": (pts, res), "other": (pts[:7], sl.DEFAULT_FIT)},
-                       str(tmp_path / "fit.png"), title="test")
-    assert os.path.getsize(path) > 1000
+    path = plot_fit({"synthetic": (pts, res), "other": (pts[:7], sl.default_fit())},
+                    str(tmp_path / "fit.png"), title="test")
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")) == (
+        1320, 504)  # figsize (11, 4.2) at 120 dpi
+
+
+def test_fits_command_checks_the_shipped_file(capsys):
+    if not os.path.exists(os.path.join(REPO, bench_fits.DEFAULT_RESULTS)):
+        pytest.skip(f"{bench_fits.DEFAULT_RESULTS} absent")
+    assert bench_fits.main(["fits", "--check"]) == 0
+    assert "same" in capsys.readouterr().out
+    assert bench_fits.main(["fits", "--nope"]) == 2

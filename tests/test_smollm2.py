@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lookahead_jax.model_store import smollm2_gguf
+from lookahead_jax.store.model_store import smollm2_gguf
 from models.config import ConfigError
 
 try:
@@ -37,7 +37,7 @@ NEW = 32
 
 @pytest.fixture(scope="module")
 def tok():
-    from lookahead_jax.tokenizer import load_tokenizer
+    from lookahead_jax.store.tokenizer import load_tokenizer
     return load_tokenizer(GGUF_PATH)
 
 
@@ -49,7 +49,7 @@ def ours():
 
 @pytest.fixture(scope="module")
 def prompts(tok):
-    from lookahead_jax.tokenizer import encode_prompt
+    from lookahead_jax.store.tokenizer import encode_prompt
     return [encode_prompt(tok, p, chat=True) for p in PROMPTS]
 
 
@@ -129,7 +129,7 @@ def _torch_one_thread():
 
 
 def _our_logits(model, ids: list[int]) -> np.ndarray:
-    from models.llama import causal_mask
+    from models.layers import causal_mask
     t = len(ids)
     with jax.default_matmul_precision("highest"):  # full float32 on GPUs too (no TF32)
         logits, _ = model(jnp.asarray([ids], jnp.int32), jnp.arange(t, dtype=jnp.int32)[None],
@@ -283,22 +283,20 @@ def _our_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
     from flax import nnx
 
     from lookahead_jax.generation import cache_length_for, pad_prompts
-    from lookahead_jax.plain import plain_init, plain_run
-    from lookahead_jax.sampling import Sampling
+    from lookahead_jax.plain import Plain
 
     cfg = model.config
     graphdef, params = nnx.split(model)
     tokens, lengths = pad_prompts(prompts)
     s = cache_length_for(tokens.shape[1], n, 1, cfg.max_position_embeddings)
     cache = model.init_cache(len(prompts), s)
-    statics = dict(sampling=Sampling(), eos_ids=cfg.eos_token_ids)
-    init = jax.jit(functools.partial(plain_init, max_new_tokens=n, **statics),
-                   static_argnums=0)
-    run = jax.jit(functools.partial(plain_run, **statics), static_argnums=0)
+    method, eos, params = Plain(), cfg.eos_token_ids, {"model": params, "method": {}}
+    init = jax.jit(functools.partial(method.init, graphdef, max_new_tokens=n, eos_ids=eos))
+    run = jax.jit(functools.partial(method.run, graphdef, eos_ids=eos))
     with jax.default_matmul_precision("highest"):
-        state = init(graphdef, params, jnp.asarray(tokens), jnp.asarray(lengths), cache,
+        state = init(params, jnp.asarray(tokens), jnp.asarray(lengths), cache,
                      jax.random.key(0))
-        state = run(graphdef, params, state, jnp.asarray(n + 1, jnp.int32))
+        state = run(params, state, jnp.asarray(n + 1, jnp.int32))
     counts, toks = np.asarray(state.out.count), np.asarray(state.out.tokens)
     return [toks[i, :c].tolist() for i, c in enumerate(counts)]
 

@@ -1,6 +1,7 @@
-"""The benchmark suite (`benchmarks/suite.py`): method parsing, the new prompt-set loaders, and
-a smoke run on the tiny random Llama with a tiny data directory (JSON, Markdown and PNGs
-written, every output equal to plain greedy)."""
+"""The benchmark suite (`benchmarks/suite*.py`): method parsing, the prompt-set loaders, every
+method built by the registry with the run's sampling, a smoke run on the tiny random Llama with
+a tiny data directory (JSON, Markdown and PNGs written, every output equal to plain greedy,
+speed-ups equal to the recorded times' ratios), and the reference figures' data file."""
 
 from __future__ import annotations
 
@@ -9,13 +10,18 @@ import json
 import os
 
 import pytest
+from absl import flags
 
-from benchmarks import common, suite
-from lookahead_jax.config import LookaheadConfig
+from benchmarks import common, suite, suite_methods
+from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.sampling import Sampling
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DRAFTER = os.path.join(HERE, "data", "golden_drafter_tiny_ouro.safetensors")
 
 
 def test_split_and_parse_methods():
-    assert suite._split_methods("ar,lookahead:15,5,15,prompt_lookup;loopspec") == [
+    assert suite_methods.split_methods("ar,lookahead:15,5,15,prompt_lookup;loopspec") == [
         "ar", "lookahead:15,5,15", "prompt_lookup", "loopspec"]
     specs = suite.parse_methods("lookahead:15,5,15,lookahead:7,5,7+prompt,prompt_lookup:8,2,"
                                 "lookahead,ar", LookaheadConfig(W=4, N=3, G=4))
@@ -36,6 +42,7 @@ def test_split_and_parse_methods():
     ("prompt_lookup:0", "K draft tokens"),
     ("loopspec:2", "no settings"),
     ("prompt_lookup+prompt", "lookahead only"),
+    ("ar+prompt", "lookahead only"),
 ])
 def test_parse_methods_rejects(text, fragment):
     with pytest.raises(suite.SuiteError, match="--methods") as e:
@@ -45,10 +52,11 @@ def test_parse_methods_rejects(text, fragment):
 
 def test_applicable():
     la = suite.MethodSpec("lookahead", LookaheadConfig())
-    assert suite.applicable(la, looped_model=False) is None
-    assert "Llama" in suite.applicable(la, looped_model=True)
-    assert "looped" in suite.applicable(suite.MethodSpec("loopspec"), looped_model=False)
-    assert suite.applicable(suite.MethodSpec("ar"), looped_model=True) is None
+    applicable = suite_methods.applicable
+    assert applicable(la, looped_model=False) is None
+    assert "Llama" in applicable(la, looped_model=True)
+    assert "looped" in applicable(suite.MethodSpec("loopspec"), looped_model=False)
+    assert applicable(suite.MethodSpec("ar"), looped_model=True) is None
 
 
 # -- a tiny data directory -----------------------------------------------------------------------
@@ -112,6 +120,30 @@ def tiny_engine():
     return engine
 
 
+def _summed(runs: list[dict]) -> dict[tuple[str, str], tuple[int, int, float]]:
+    """(data set, method) -> (tokens, steps, seconds) summed over the JSON's run records."""
+    out: dict = {}
+    for r in runs:
+        t, n, sec = out.get((r["dataset"], r["method"]), (0, 0, 0.0))
+        out[(r["dataset"], r["method"])] = (t + r["tokens"], n + r["steps"],
+                                           sec + r["prefill_s"] + r["decode_s"])
+    return out
+
+
+def _md_rows(md: str) -> list[list[str]]:
+    """The cells of the main Markdown table (after the header and the --- line)."""
+    lines = md.split("| data set | method |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+
+
+def _is_png(path: str) -> tuple[int, int]:
+    """(width, height) of a PNG file; fails if it is not one."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", path
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
 def test_suite_smoke(tiny_engine, tmp_path):
     os.makedirs(tmp_path / "data")
     data = write_data(tmp_path / "data")
@@ -126,38 +158,117 @@ def test_suite_smoke(tiny_engine, tmp_path):
     report = suite.run_suite(tiny_engine, opts, log=logs.append)
     assert any("loopspec needs a looped preset" in line for line in logs)
     rows = report["summary"]
-    assert {r["dataset"] for r in rows} == set(common.DATASETS)
-    assert {r["method"] for r in rows} == {"plain", "lookahead (1,3,1)", "lookahead (2,3,2)",
-                                           "lookahead (3,3,3)", "prompt_lookup"}
+    methods = ["plain", "lookahead (1,3,1)", "lookahead (2,3,2)", "lookahead (3,3,3)",
+               "prompt_lookup"]
+    assert {(r["dataset"], r["method"]) for r in rows} == {
+        (ds, m) for ds in common.DATASETS for m in methods}
+    saved = json.load(open(out))
+    assert saved["summary"] == json.loads(json.dumps(rows))  # the JSON holds what was returned
+    assert len(saved["runs"]) == 5 * 5
+    sums = _summed(saved["runs"])
     for r in rows:
         assert r["exact"] == r["prompts"] == 1, r  # every output equals plain greedy
-        assert r["tokens"] >= 1 and r["steps"] >= 1 and r["speedup"] > 0
+        tokens, steps, secs = sums[(r["dataset"], r["method"])]
+        p_tokens, _, p_secs = sums[(r["dataset"], "plain")]
+        assert tokens == p_tokens == 6 and r["S"] == pytest.approx(tokens / steps)
+        # speed-up: the ratio of the two measured times in the JSON (same tokens)
+        assert r["speedup"] == pytest.approx(p_secs / secs, rel=1e-9)
+        assert (r["speedup"] == 1.0) == (r["method"] == "plain")
     stem = str(tmp_path / "res" / "suite")
-    for path in (out, stem + ".md", stem + "_sweep.png", stem + "_hist.png"):
-        assert os.path.getsize(path) > 100, path
+    for path in (stem + "_sweep.png", stem + "_hist.png"):
+        width, height = _is_png(path)
+        assert width > 300 and height > 200, (path, width, height)
     md = open(stem + ".md").read()
-    assert "| data set | method |" in md and "1/1" in md
+    table = _md_rows(md)
+    assert sorted((c[0], c[1]) for c in table) == sorted((r["dataset"], r["method"])
+                                                         for r in rows)
+    assert all(c[3] == "1/1" for c in table)  # the exact column
+    # random weights accept nothing in 6 tokens (S = 1): no fit, each group says why, and
+    # neither the fit file nor its plot is written
+    assert all(r["S"] == 1.0 for r in rows) and report["fits"] == {}
+    assert set(report["fit_notes"]) == {*common.DATASETS, "all"}
+    assert all("no measured S is above 1" in v for v in report["fit_notes"].values())
+    assert not os.path.exists(tmp_path / "res" / "fit.json")
+    assert not os.path.exists(stem + "_fit.png")
     lengths = {len(ids) for ds in common.DATASETS
                for ids in common.encoded_prompts(tiny_engine, ds, 1, data)}
     assert 16 < min(lengths) and max(lengths) <= 32, lengths  # one bucket: few compiles
-    saved = json.load(open(out))
-    assert len(saved["runs"]) == 5 * 5
 
 
 def test_suite_check_auto(tiny_engine, tmp_path):
+    from lookahead_jax.tuning import auto
+    from lookahead_jax.tuning.scaling_law import ScalingFit
     os.makedirs(tmp_path / "data")
     data = write_data(tmp_path / "data", 1)
     out = str(tmp_path / "suite.json")
+    grid = [(1, 3, 1), (3, 3, 3), (2, 4, 2)]
     opts = suite.SuiteOptions(methods=suite.parse_methods("lookahead:1,3,1,lookahead:2,3,2"),
                               datasets=["humaneval", "gsm8k"], num_prompts=1, max_new_tokens=4,
                               data_dir=data, out=out, check_auto=True, progress=False,
-                              plots=False, auto_grid=[(1, 3, 1), (3, 3, 3), (2, 4, 2)])
+                              plots=False, auto_grid=grid)
     report = suite.run_suite(tiny_engine, opts, log=lambda s: None)
     chk = report["auto_check"]
     assert set(chk["datasets"]) == {"humaneval", "gsm8k"}
-    for v in chk["datasets"].values():
-        assert v["exact"] == 1 and v["ratio"] > 0
-    assert "--auto picks" in open(str(tmp_path / "suite.md")).read()
+    costs = {int(k): v for k, v in report["step_cost_s"].items()}
+    best = auto.rank(ScalingFit.from_dict(chk["fit"]), costs, grid)[0]
+    assert chk["label"] == f"lookahead ({best.W},{best.N},{best.G})"
+    rows = report["summary"] + [r for r in common.summarize_runs(chk["runs"])
+                                if r["method"] == chk["label"]]
+    for ds, v in chk["datasets"].items():
+        mine = next(r for r in rows if r["dataset"] == ds and r["method"] == chk["label"])
+        top = max((r for r in rows if r["dataset"] == ds and r.get("W") is not None),
+                  key=lambda r: r["speedup"])
+        assert v["exact"] == 1 and v["auto_speedup"] == pytest.approx(mine["speedup"])
+        assert (v["best"], v["best_speedup"]) == (top["method"], pytest.approx(top["speedup"]))
+        assert v["ratio"] == pytest.approx(mine["speedup"] / top["speedup"]) and v["ratio"] <= 1
+        assert v["within_10pct"] == (v["ratio"] >= 0.9)
+    assert chk["passed"] == all(v["within_10pct"] for v in chk["datasets"].values())
+    md = open(str(tmp_path / "suite.md")).read()
+    assert f"--auto picks {chk['label']}" in md
+    assert f"--auto check: {'passed' if chk['passed'] else 'FAILED'}" in md
+
+
+def test_suite_builds_every_method_with_the_runs_sampling(tiny_engine, tmp_path):
+    """Bug 1 of issue 16: `--temperature=0.7` on a looped preset compared sampled plain
+    decoding with greedy LoopSpec / LoopAhead (prebuilt with the default sampling). Every
+    method the suite builds, from the command line's flags, carries Sampling(0.7), and every
+    run record says it decoded with it."""
+    from lookahead_jax.engine import Engine
+    from lookahead_jax.store.presets import load_preset
+    fv = flags.FlagValues()
+    suite.define_flags(fv)
+    fv(["suite", "--config=tiny_ouro", "--temperature=0.7", f"--lad={DRAFTER}",
+        "--methods=ar,loopspec,loopspec_d2,loopahead,loopahead_nodrafter,loopahead_nosched"])
+    opts = suite.options_from_flags(load_preset("tiny_ouro"), fv)
+    assert opts.sampling == Sampling(0.7)
+    engine = Engine.from_preset("tiny_ouro")
+    built = suite_methods.build_methods(engine, opts.methods, opts.sampling, opts.lad)
+    assert list(built) == ["plain", "loopspec", "loopspec_d2", "loopahead",
+                           "loopahead_nodrafter", "loopahead_nosched"]
+    assert {label: m.sampling for label, m in built.items()} == {
+        label: Sampling(0.7) for label in built}
+    assert built["loopahead"].drafter is not None and built["loopahead"].r1 == \
+        built["loopahead"].drafter.draft_depth
+    assert built["loopahead_nodrafter"].drafter is None
+    assert not built["loopahead_nosched"].scheduling
+
+    llama = suite_methods.build_methods(
+        tiny_engine, suite.parse_methods("lookahead:2,3,2,prompt_lookup:4"),
+        Sampling(0.7, top_k=5))
+    assert {m.sampling for m in llama.values()} == {Sampling(0.7, top_k=5)}
+
+    os.makedirs(tmp_path / "data")
+    write_data(tmp_path / "data", 1)
+    run = suite.SuiteOptions(methods=suite.parse_methods("loopspec,loopahead"),
+                             datasets=["gsm8k"], num_prompts=1, max_new_tokens=4,
+                             data_dir=str(tmp_path / "data"), out=str(tmp_path / "s.json"),
+                             sampling=opts.sampling, lad=DRAFTER, progress=False, plots=False)
+    report = suite.run_suite(engine, run, log=lambda s: None)
+    assert [r["method"] for r in report["runs"]] == ["plain", "loopspec", "loopahead"]
+    for r in report["runs"]:
+        assert r["sampling"] == {"temperature": 0.7, "top_k": 0, "top_p": 1.0}, r
+        assert r["exact"] is None  # sampled: exactness does not apply
+    assert all(r["exact"] is None for r in report["summary"])
 
 
 def test_suite_errors(tiny_engine, tmp_path):
@@ -168,3 +279,15 @@ def test_suite_errors(tiny_engine, tmp_path):
     opts.datasets = ["gsm8k"]
     with pytest.raises(common.DataError, match="not found"):
         suite.run_suite(tiny_engine, opts, log=lambda s: None)
+
+
+def test_reference_figures_come_from_the_data_file():
+    """The reference implementation's figures live in a committed data file with their
+    source, not in code; lookahead_bench keys them by its own method labels."""
+    from benchmarks import lookahead_bench
+    ref = lookahead_bench.load_reference()
+    assert "ALGORITHM_NOTES.md" in ref["source"] and ref["config"] == "smollm2_135m"
+    assert ref["by_label"]["(15,5,15)"] == {"mt_bench": (1.64, 8.7), "humaneval": (1.82, 9.5),
+                                            "gsm8k": (1.94, 10.2)}
+    assert ref["by_label"]["(15,5,15) +prompt"]["humaneval"] == (2.17, 12.3)
+    assert set(ref["by_label"]) == {"(15,5,15)", "(15,5,15) +prompt", "(7,5,7)", "(5,4,5)"}

@@ -1,13 +1,16 @@
 """train_lad on a tiny random looped model: the teacher data are the model's own greedy
 continuations and early-loop states; the drafter trains (the loss falls, the frozen model's
 parameters never change), is selected on the development split, resumes from its last
-checkpoint exactly as if never stopped, and a looped model or workdir that does not match the
-drafter's config is refused with a clear error."""
+checkpoint exactly as if never stopped, is written as a drafter file (`drafter.safetensors`)
+that decoding loads without the training code, and a looped model or workdir that does not
+match the drafter's config is refused with a clear error."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -15,13 +18,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from models.build import build_looped
 from models.config import ConfigError
-from models.looped import LoopedLM
 from test_looped import CONFIGS, _perturb_norms  # noqa: E402
 from train_lad import config as lad_config
 from train_lad import data as lad_data
+from lookahead_jax.looped.drafter import (DrafterShape, LadDrafter, LookaheadDrafter,
+                                          load_drafter_file, save_drafter_file)
 from train_lad.main import base_fingerprint, load_base_model, run
-from train_lad.train import load_drafter, targets
+from train_lad.train import evaluate, targets
 
 CFG = lad_config.LadConfig(
     name="test", model_preset="tiny_ouro", model_family="ouro", model_hidden=32,
@@ -32,7 +37,7 @@ CFG = lad_config.LadConfig(
 
 @pytest.fixture(scope="module")
 def model():
-    return _perturb_norms(LoopedLM(CONFIGS["ouro"], rngs=nnx.Rngs(3)))
+    return _perturb_norms(build_looped(CONFIGS["ouro"], rngs=nnx.Rngs(3)))
 
 
 def _losses(workdir):
@@ -72,6 +77,49 @@ def test_eval_filter():
     assert {lad_data.split_of(f"doc/{i}") for i in range(200)} == set(lad_data.SPLITS)
 
 
+def _dev_data(workdir) -> dict:
+    z = np.load(workdir / "data.npz")
+    return {k: z[f"dev_{k}"] for k in ("tokens", "states", "native")}
+
+
+def _accepted_prefix(drafter: LadDrafter, data: dict, prompt_len: int) -> float:
+    """The average accepted prefix (anchor included) of a drafter over a split, recomputed in
+    numpy from its full-pass drafts: at each position t from the last prompt token to T - 2,
+    0 if the anchor (native[t]) is not token t + 1, else 1 + the leading drafted tokens equal
+    to tokens t + 2 ...."""
+    net = nnx.merge(drafter.graphdef, drafter.params["net"])
+    vocab = np.asarray(drafter.params["vocab"])
+    tokens, native = data["tokens"], data["native"]
+    n, t = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (n, t, t))
+    drafted = vocab[np.asarray(jnp.argmax(net(jnp.asarray(data["states"], jnp.float32),
+                                              jnp.asarray(native), pos, mask), -1))]
+    total = count = 0
+    for i in range(n):
+        for p in range(prompt_len - 1, t - 1):
+            count += 1
+            if native[i, p] != tokens[i, p + 1]:
+                continue
+            total += 1
+            for k in range(drafted.shape[2]):
+                if p + 2 + k >= t or drafted[i, p, k] != tokens[i, p + 2 + k]:
+                    break
+                total += 1
+    return total / count
+
+
+def _drafts(drafter: LadDrafter, seed: int = 0, **kw) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    b, w = 4, 6
+    e = nnx.merge(drafter.graphdef, drafter.params["net"]).shape.state_size
+    states = jnp.asarray(rng.normal(size=(b, w, e)), jnp.float32)
+    anchors = jnp.asarray(rng.integers(0, 97, (b, w)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((w, w), bool)), (b, w, w))
+    return np.asarray(drafter.draft(drafter.params, states, anchors, pos, mask, **kw))
+
+
 def test_train_select_resume(model, tmp_path):
     before = jnp.concatenate([x.ravel() for x in jax.tree.leaves(nnx.state(model, nnx.Param))])
     full = run(CFG, tmp_path / "full", model=model, progress_bar=False, log=lambda m: None)
@@ -80,22 +128,137 @@ def test_train_select_resume(model, tmp_path):
     losses = _losses(tmp_path / "full")
     assert sorted(losses) == list(range(1, 9))
     assert losses[8] < losses[1]
-    assert full["best_step"] in (4, 8) and full["dev_accepted_prefix"] >= 0
+    assert full["best_step"] in (4, 8)
     assert "confirm_accepted_prefix" in full
-    drafter, vocab = load_drafter(tmp_path / "full", CFG)
-    assert drafter.shape.K == 2 and len(vocab) <= 64
+    # the run wrote the selected drafter as a drafter file, which decoding loads
+    drafter = LadDrafter.load(tmp_path / "full", model.config)
+    assert (drafter.K, drafter.head, drafter.draft_depth) == (2, "vocab", 1)
+    assert len(drafter.params["vocab"]) <= 64
+    # the reported dev figure is the best one logged, and the file's drafter's, recomputed
+    # independently (the file holds the selected checkpoint)
+    with open(tmp_path / "full" / "metrics.jsonl") as f:
+        logged = [r["dev_accepted_prefix"] for r in map(json.loads, f)
+                  if "dev_accepted_prefix" in r]
+    assert len(logged) == 2 and full["dev_accepted_prefix"] == max(logged)
+    dev = _dev_data(tmp_path / "full")
+    np.testing.assert_allclose(_accepted_prefix(drafter, dev, CFG.prompt_len),
+                               full["dev_accepted_prefix"], rtol=1e-6)
+    # the metric's drafted-token part too: with every anchor right (this random model's rarely
+    # are), train_lad's figure and the recomputed one agree, above the anchors' 1
+    right = {**dev, "native": np.concatenate([dev["tokens"][:, 1:], dev["tokens"][:, -1:]], 1)}
+    vocab = np.asarray(drafter.params["vocab"])
+    got = evaluate(drafter.params["net"], drafter.graphdef, right,
+                   jnp.asarray(lad_data.to_draft_ids(vocab, CFG.model_vocab)), CFG)
+    want = _accepted_prefix(drafter, right, CFG.prompt_len)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert want > 1.0
 
     # stopped after 3 steps, then run again: resumes at step 3, same losses as never stopped
     logs = []
     run(CFG, tmp_path / "split", model=model, progress_bar=False, log=logs.append,
         max_steps_now=3)
     assert sorted(_losses(tmp_path / "split")) == [1, 2, 3]
+    assert not (tmp_path / "split" / "drafter.safetensors").exists()  # not finished
+    with pytest.raises(ConfigError, match="has not finished"):
+        LadDrafter.load(tmp_path / "split")
     run(CFG, tmp_path / "split", model=model, progress_bar=False, log=logs.append)
     assert any("resumed from step 3" in m for m in logs), logs
     split = _losses(tmp_path / "split")
     assert sorted(split) == list(range(1, 9))
     np.testing.assert_allclose([split[s] for s in range(1, 9)],
                                [losses[s] for s in range(1, 9)], rtol=1e-5)
+    assert _drafts(LadDrafter.load(tmp_path / "split")).tolist() == _drafts(drafter).tolist()
+
+    # a finished run, run again, trains no further and writes the drafter file again
+    (tmp_path / "full" / "drafter.safetensors").unlink()
+    logs = []
+    run(CFG, tmp_path / "full", model=model, progress_bar=False, log=logs.append)
+    assert any("resumed from step 8" in m for m in logs), logs
+    assert sorted(_losses(tmp_path / "full")) == list(range(1, 9))
+    assert _drafts(LadDrafter.load(tmp_path / "full")).tolist() == _drafts(drafter).tolist()
+
+
+@pytest.mark.parametrize("head", ["vocab", "model"])
+def test_drafter_file_round_trip(tmp_path, head):
+    """save_drafter_file then load_drafter_file (or LadDrafter.load of the file): the same
+    parameters, vocabulary and depth, so the same drafts."""
+    shape = DrafterShape(state_size=32, vocab_size=97, hidden_size=32, num_layers=2,
+                         num_heads=2, K=3, draft_vocab=40, head=head)
+    vocab = np.sort(np.random.default_rng(1).choice(97, 40, replace=False)).astype(np.int32)
+    net = LookaheadDrafter(shape, rngs=nnx.Rngs(5))
+    path = tmp_path / "d.safetensors"
+    save_drafter_file(path, net, vocab, draft_depth=2, model_family="ouro", model_loops=3)
+    got = load_drafter_file(path, CONFIGS["ouro"])
+    assert (got.K, got.head, got.draft_depth) == (3, head, 2)
+    assert np.asarray(got.params["vocab"]).tolist() == vocab.tolist()
+    for a, b in zip(jax.tree.leaves(nnx.state(net)), jax.tree.leaves(got.params["net"])):
+        np.testing.assert_array_equal(a, b)
+    want = LadDrafter(net, vocab, draft_depth=2)
+    kw = {}
+    if head == "model":
+        rng = np.random.default_rng(2)
+        kw = dict(extra_ids=jnp.asarray(rng.integers(-1, 97, (4, 5)), jnp.int32),
+                  out_embedding=jnp.asarray(rng.normal(size=(32, 97)), jnp.float32))
+    assert _drafts(got, **kw).tolist() == _drafts(want, **kw).tolist()
+    assert _drafts(LadDrafter.load(path), **kw).tolist() == _drafts(want, **kw).tolist()
+
+
+def test_drafter_file_refuses_another_model_and_a_damaged_file(tmp_path):
+    """A drafter file is refused, with the field named, for a looped model it was not trained
+    for; a file whose tensors do not fit its own metadata is refused naming the tensor; a
+    path that is no drafter file or finished train_lad workdir gets a clear error."""
+    from safetensors.numpy import load_file, save_file  # noqa: PLC0415
+    net = LookaheadDrafter(DrafterShape(32, 97, 32, 1, 2, 2, 16), rngs=nnx.Rngs(0))
+    path = tmp_path / "d.safetensors"
+    save_drafter_file(path, net, np.arange(16), draft_depth=2, model_family="ouro",
+                      model_loops=3)
+    ouro = CONFIGS["ouro"]
+    load_drafter_file(path, ouro)  # fits
+    for field, value, message in (("hidden_size", 64, "hidden_size is 64 in the model, 32"),
+                                  ("vocab_size", 100, "vocab_size is 100 in the model, 97"),
+                                  ("num_loops", 2, "num_loops is 2")):
+        with pytest.raises(ConfigError, match=message):
+            load_drafter_file(path, dataclasses.replace(ouro, **{field: value}))
+    with pytest.raises(ConfigError, match="family is raven in the model, ouro"):
+        LadDrafter.load(path, CONFIGS["raven"])
+    with pytest.raises(ConfigError, match="not one"):  # a plain (non-looped) model
+        load_drafter_file(path, object())
+
+    tensors = load_file(path)
+    tensors["state_proj.kernel"] = tensors["state_proj.kernel"][:, :16]
+    from safetensors import safe_open  # noqa: PLC0415
+    with safe_open(path, "numpy") as f:
+        meta = f.metadata()
+    save_file(tensors, tmp_path / "bad.safetensors", metadata=meta)
+    with pytest.raises(ConfigError, match=r"state_proj.kernel has shape \(32, 16\)"):
+        load_drafter_file(tmp_path / "bad.safetensors")
+    del tensors["state_proj.kernel"]
+    save_file(tensors, tmp_path / "bad.safetensors", metadata=meta)
+    with pytest.raises(ConfigError, match="missing: state_proj.kernel"):
+        load_drafter_file(tmp_path / "bad.safetensors")
+    save_file(load_file(path), tmp_path / "nometa.safetensors")
+    with pytest.raises(ConfigError, match="format"):
+        load_drafter_file(tmp_path / "nometa.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"junk")
+    with pytest.raises(ConfigError, match="not a readable safetensors file"):
+        LadDrafter.load(tmp_path / "junk.safetensors")
+    (tmp_path / "empty").mkdir()
+    for bad in (tmp_path / "empty", tmp_path / "absent", tmp_path / "data.npz"):
+        if bad.name == "data.npz":
+            bad.write_bytes(b"")
+        with pytest.raises(ConfigError, match="python -m train_lad.main"):
+            LadDrafter.load(bad)
+
+
+def test_drafter_module_imports_no_training_code():
+    """Decoding loads drafters without the training code or its libraries."""
+    import lookahead_jax.looped.drafter as drafter  # noqa: PLC0415
+    tree = ast.parse(pathlib.Path(drafter.__file__).read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert "safetensors" in {n.split(".")[0] for n in names}
+    banned = ("train_lad", "train_looped", "benchmarks", "optax", "orbax")
+    assert not [n for n in names if n.split(".")[0] in banned], names
 
 
 def test_mismatched_model_is_refused(model, tmp_path):
@@ -108,7 +271,7 @@ def test_mismatched_model_is_refused(model, tmp_path):
     # a workdir trained on one model refuses another of the same shape
     run(dataclasses.replace(CFG, steps=4), tmp_path / "x", model=model, progress_bar=False,
         log=lambda m: None)
-    other = _perturb_norms(LoopedLM(CONFIGS["ouro"], rngs=nnx.Rngs(4)))
+    other = _perturb_norms(build_looped(CONFIGS["ouro"], rngs=nnx.Rngs(4)))
     assert base_fingerprint(other) != base_fingerprint(model)
     with pytest.raises(ConfigError, match="another looped model"):
         run(CFG, tmp_path / "x", model=other, progress_bar=False, log=lambda m: None)
@@ -119,15 +282,15 @@ def test_model_head_scores_the_request_tokens(model, tmp_path):
     falls); at inference each drafted token is the argmax over the draft vocabulary plus the
     extra tokens, of the same scores a full-vocabulary readout gives them, so tokens outside
     the draft vocabulary (here: the prompt's) are drafted; a "vocab" head ignores them."""
-    from lookahead_jax.loopahead import LadDrafter  # noqa: PLC0415
-    from train_lad.model import output_embedding  # noqa: PLC0415
+    from lookahead_jax.looped.drafter import output_embedding  # noqa: PLC0415
     cfg = dataclasses.replace(CFG, head="model")
     run(cfg, tmp_path / "m", model=model, progress_bar=False, log=lambda m: None)
     losses = _losses(tmp_path / "m")
     assert losses[8] < losses[1]
-    net, vocab = load_drafter(tmp_path / "m", cfg)
+    drafter = LadDrafter.load(tmp_path / "m", model.config)
+    net = nnx.merge(drafter.graphdef, drafter.params["net"])
+    vocab = drafter.params["vocab"]
     assert net.shape.head == "model" and len(vocab) <= 64
-    drafter = LadDrafter(net, vocab)
     rng = np.random.default_rng(0)
     b, w, e = 16, 6, CFG.model_hidden
     states = jnp.asarray(rng.normal(size=(b, w, e)), jnp.float32)
@@ -149,7 +312,6 @@ def test_model_head_scores_the_request_tokens(model, tmp_path):
         assert got[i].tolist() == want.tolist()
     outside = ~np.isin(got, np.asarray(vocab))
     assert outside.any()  # drafted from the extra tokens
-    from train_lad.model import DrafterShape, LookaheadDrafter  # noqa: PLC0415
     own = LadDrafter(LookaheadDrafter(DrafterShape(e, 97, 32, 1, 2, 2, len(vocab)),
                                       rngs=nnx.Rngs(0)), vocab)
     plain = own.draft(own.params, states, anchors, pos, mask)
@@ -162,9 +324,12 @@ def test_model_head_scores_the_request_tokens(model, tmp_path):
 @pytest.mark.parametrize("name", sorted(lad_config.CONFIGS))
 def test_shipped_lad_configs_match_their_presets(name):
     """Each drafter config fits the looped model its preset ships (checkpoints/<name>), and
-    the same check refuses the other tiny model."""
-    from lookahead_jax.presets import load_preset  # noqa: PLC0415
+    the same check refuses the other tiny model; its shape is the preset's (written once)."""
+    from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
     cfg = lad_config.get(name)
+    model = load_preset(cfg.model_preset).model
+    assert (cfg.model_family, cfg.model_hidden, cfg.model_vocab, cfg.model_loops) == (
+        model.family, model.hidden_size, model.vocab_size, model.num_loops)
     lad_config.check_base_model(cfg, load_preset(cfg.model_preset).model, cfg.model_preset)
     other = next(n for n in sorted(lad_config.CONFIGS) if n != name)
     with pytest.raises(ConfigError, match="does not match lad config"):
@@ -176,7 +341,6 @@ def test_last_only_features_equal_the_full_pass_at_the_last_position(layers, hea
     """Decoding asks for the last position's drafts only; the shortcut (the last layer's
     queries and MLP for that position alone) gives the full pass's values there, with a
     window mask that hides some positions."""
-    from train_lad.model import DrafterShape, LookaheadDrafter  # noqa: PLC0415
     shape = DrafterShape(state_size=24, vocab_size=50, hidden_size=32, num_layers=layers,
                          num_heads=2, K=3, draft_vocab=40, head=head)
     net = LookaheadDrafter(shape, rngs=nnx.Rngs(1))

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.looped import LoopedConfig, LoopedLM
+from models.build import build_looped
+from models.config import LoopedConfig
 from train_looped import agreement, corpus, export, tokenizer, train
 
 OURO = LoopedConfig(family="ouro", vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -98,7 +99,7 @@ def test_tokenizer_round_trips_text_and_keeps_special_ids(bpe):
 
 
 def test_chat_template_renders_the_training_format(bpe, tmp_path):
-    from lookahead_jax.tokenizer import encode_prompt, load_tokenizer
+    from lookahead_jax.store.tokenizer import encode_prompt, load_tokenizer
     tokenizer.save(bpe, tmp_path)
     tok = load_tokenizer(tmp_path)
     ids = encode_prompt(tok, "What is 12 + 30?", chat=True)
@@ -180,7 +181,7 @@ def test_next_loop_consistency_is_kl_between_adjacent_loops_both_trained():
 
 
 def test_branch_norm_init_scales_only_the_residual_branch_norms():
-    model = LoopedLM(dataclasses.replace(OURO, num_layers=2), rngs=nnx.Rngs(0))
+    model = build_looped(dataclasses.replace(OURO, num_layers=2), rngs=nnx.Rngs(0))
     before = jax.tree.map(np.array, nnx.state(model, nnx.Param))
     train.init_branch_norms(model, 0.25)
     after = jax.tree.map(np.array, nnx.state(model, nnx.Param))
@@ -195,14 +196,14 @@ def test_branch_norm_init_scales_only_the_residual_branch_norms():
     assert {c.replace(".value", "") for c in changed} == want
     # a loop of the model with smaller branch norms moves the state differently
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 3, OURO.hidden_size)), jnp.float32)
-    fresh = LoopedLM(OURO, rngs=nnx.Rngs(0))
-    small = LoopedLM(OURO, rngs=nnx.Rngs(0))
+    fresh = build_looped(OURO, rngs=nnx.Rngs(0))
+    small = build_looped(OURO, rngs=nnx.Rngs(0))
     train.init_branch_norms(small, 0.25)
     pos = train.positions_like(jnp.zeros((1, 3), jnp.int32))
     step = [m.advance(x, x, 0, pos)[0] for m in (fresh, small)]
     assert not np.allclose(np.asarray(step[0]), np.asarray(step[1]), atol=1e-3)
     with pytest.raises(ValueError, match="Ouro"):
-        train.init_branch_norms(LoopedLM(RAVEN, rngs=nnx.Rngs(0)), 0.25)
+        train.init_branch_norms(build_looped(RAVEN, rngs=nnx.Rngs(0)), 0.25)
     with pytest.raises(ValueError, match="branch_norm_init"):
         train.TrainConfig(branch_norm_init=0.0)
 
@@ -224,7 +225,7 @@ def _tokens(n=4000, seed=0):
     (OURO, "uniform", 1.0, "last"), (OURO, "uniform", 1.0, "next")])
 def test_train_steps_lower_every_loops_loss(cfg, loss, kl, target):
     tcfg = dataclasses.replace(TRAIN, loss=loss, consistency_weight=kl, consistency_target=target)
-    model = LoopedLM(cfg, rngs=nnx.Rngs(0))
+    model = build_looped(cfg, rngs=nnx.Rngs(0))
     graphdef, rest, state = train.init_state(model, train.make_optimizer(tcfg))
     batch = jnp.asarray(train.batch_at(_tokens(), 0, 4, 16, 0))
     params, opt_state = state.params, state.opt_state
@@ -239,11 +240,11 @@ def test_train_steps_lower_every_loops_loss(cfg, loss, kl, target):
 
 def test_resumed_training_equals_an_uninterrupted_run(tmp_path):
     toks = _tokens()
-    whole = train.train(LoopedLM(OURO, rngs=nnx.Rngs(0)), TRAIN, toks, tmp_path / "a",
+    whole = train.train(build_looped(OURO, rngs=nnx.Rngs(0)), TRAIN, toks, tmp_path / "a",
                         progress=False)
-    train.train(LoopedLM(OURO, rngs=nnx.Rngs(0)), TRAIN, toks, tmp_path / "b", progress=False,
+    train.train(build_looped(OURO, rngs=nnx.Rngs(0)), TRAIN, toks, tmp_path / "b", progress=False,
                 max_steps_this_run=3)
-    resumed = train.train(LoopedLM(OURO, rngs=nnx.Rngs(5)), TRAIN, toks, tmp_path / "b",
+    resumed = train.train(build_looped(OURO, rngs=nnx.Rngs(5)), TRAIN, toks, tmp_path / "b",
                           progress=False)
     assert whole.step == resumed.step == TRAIN.steps
     for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params)):
@@ -267,7 +268,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 @pytest.mark.parametrize("cfg", [OURO, RAVEN])
 def test_export_round_trip_gives_the_same_logits(cfg, tmp_path, bpe):
     tokenizer.save(bpe, tmp_path / "tok")
-    model = LoopedLM(cfg, rngs=nnx.Rngs(2))
+    model = build_looped(cfg, rngs=nnx.Rngs(2))
     _, params, _ = nnx.split(model, nnx.Param, ...)
     export.save(tmp_path / "ck", cfg, params, tokenizer_dir=tmp_path / "tok", dtype="float32")
     loaded, got_cfg = export.load(tmp_path / "ck")
@@ -297,7 +298,7 @@ def test_agreement_statistics_on_a_toy_case():
 
 
 def test_eval_step_reports_each_loops_kl_to_the_previous_loop():
-    model = LoopedLM(OURO, rngs=nnx.Rngs(1))
+    model = build_looped(OURO, rngs=nnx.Rngs(1))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     batch = jnp.asarray(train.batch_at(_tokens(), 0, 2, 8, 0))
     ce, argmax, kl_prev = train.eval_step(params, rest, batch, graphdef=graphdef)
@@ -311,7 +312,7 @@ def test_eval_step_reports_each_loops_kl_to_the_previous_loop():
 
 def test_bfloat16_export_stays_close(tmp_path, bpe):
     tokenizer.save(bpe, tmp_path / "tok")
-    model = LoopedLM(OURO, rngs=nnx.Rngs(2))
+    model = build_looped(OURO, rngs=nnx.Rngs(2))
     _, params, _ = nnx.split(model, nnx.Param, ...)
     export.save(tmp_path / "ck", OURO, params, tokenizer_dir=tmp_path / "tok",
                 training={"steps": 1})
@@ -327,7 +328,7 @@ def test_bfloat16_export_stays_close(tmp_path, bpe):
 def test_shipped_checkpoint_matches_its_preset_and_tokenizer(name):
     import pathlib
 
-    from lookahead_jax.tokenizer import encode_prompt, load_tokenizer
+    from lookahead_jax.store.tokenizer import encode_prompt, load_tokenizer
     from train_looped import configs
     ckpt = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" / name
     if not ckpt.is_dir():
@@ -340,3 +341,17 @@ def test_shipped_checkpoint_matches_its_preset_and_tokenizer(name):
     ids = encode_prompt(tok, "Hi", chat=True)
     assert ids[:2] == [tokenizer.BOS_ID, 2] and tok.eos_token_id == tokenizer.EOS_ID
     assert max(ids) < spec.model.vocab_size
+
+
+@pytest.mark.parametrize("name", ["tiny_ouro", "tiny_raven"])
+def test_tiny_model_shape_is_its_presets(name):
+    """train_looped trains the shape its preset (configs/<name>.py) gives, written there only;
+    the tokenizer built here fits it (vocabulary size, BOS / EOS ids)."""
+    from lookahead_jax.store.presets import load_preset
+    from train_looped import configs
+    spec = configs.get(name)
+    preset = load_preset(name).model
+    assert spec.model == preset and spec.name == name
+    assert preset.vocab_size == tokenizer.DEFAULT_VOCAB
+    assert (preset.bos_token_id, preset.eos_token_ids) == (tokenizer.BOS_ID, (tokenizer.EOS_ID,))
+    assert spec.description.startswith(f"A tiny {preset.family.capitalize()}-style looped model")

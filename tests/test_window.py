@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lookahead_jax.config import LookaheadConfig
-from lookahead_jax.window import Window
+from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.lookahead.window import Window
 
 SHAPES = [(1, 2), (3, 2), (4, 3), (2, 5), (3, 4)]
 

@@ -4,7 +4,8 @@
 
 `LadConfig` names the frozen looped model (a preset of `configs/`, optionally another
 checkpoint) and the shape it must have (family, hidden size, vocabulary, loops): a checkpoint
-of another shape is refused with an error naming the field (`check_base_model`).
+of another shape is refused with an error naming the field (`check_base_model`). The named
+configs take that shape from their preset (`for_preset`), where each model's shape is written.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ class LadConfig:
     model's states at loop `draft_depth` plus the anchor token; K tokens after the anchor over
     a draft vocabulary of `draft_vocab` tokens, scored by the drafter's own matrix
     (`head="vocab"`) or by the looped model's output embedding (`head="model"`: the draft
-    vocabulary then grows at inference with the prompt's tokens, EOS and the outputs). Data: `prompt_len`-token prompts, each with the
-    model's own full-depth greedy continuation of `continuation` tokens; `num_train` /
-    `num_dev` / `num_confirm` prompts per split."""
+    vocabulary then grows at inference with the prompt's tokens, EOS and the outputs). Data:
+    `prompt_len`-token prompts, each with the model's own full-depth greedy continuation of
+    `continuation` tokens; `num_train` / `num_dev` / `num_confirm` prompts per split. The
+    model's shape fields (`model_family` ... `model_loops`): `for_preset` takes them from the
+    preset."""
 
     name: str
     model_preset: str  # the frozen looped model: a preset in configs/
@@ -30,14 +33,14 @@ class LadConfig:
     model_hidden: int
     model_vocab: int
     model_loops: int
-    model_ckpt: str | None = None  # None: the preset's checkpoint
+    model_ckpt: str | None = None  # None: the preset's checkpoint (checkpoints/<name>)
     draft_depth: int = 1  # R1: the early loop whose states and readout feed the drafter
     K: int = 3
     hidden_size: int = 512
     num_layers: int = 2
     num_heads: int = 8
     draft_vocab: int = 1024
-    head: str = "vocab"  # "vocab" | "model": the drafter's output head (train_lad.model)
+    head: str = "vocab"  # "vocab" | "model": the output head (lookahead_jax.looped.drafter)
     prompt_len: int = 48
     continuation: int = 32
     num_train: int = 512
@@ -71,20 +74,28 @@ class LadConfig:
         return self.prompt_len + self.continuation
 
 
-# The tiny models are 256 (ouro) and 128 (raven) wide; their drafters are 256 wide (the
-# paper's 2 x 512 drafter is for 1.4B+ models; the LadConfig defaults). Head "model", so that the prompt's tokens, EOS and the
-# outputs join the draft vocabulary at inference; on the teacher data it drafts as well as
-# head "vocab" (tiny_ouro, 192 training prompts, 150 steps: dev / confirmation accepted prefix
-# 3.41 / 3.46 against 3.42 / 3.46).
-_TINY = dict(model_vocab=4096, hidden_size=256, num_heads=4, steps=200,
-             head="model")
+def for_preset(name: str, preset: str, **settings) -> LadConfig:
+    """A LadConfig for the looped model of `preset` (configs/<preset>.py): the shape it must
+    have (family, hidden size, vocabulary, loops) is the preset's model's, and its checkpoint
+    the preset's unless settings give `model_ckpt`."""
+    from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
+    model = load_preset(preset).model
+    if not hasattr(model, "num_loops"):
+        raise ConfigError(f"lad config {name}: preset {preset} is not a looped model")
+    return LadConfig(name=name, model_preset=preset, model_family=model.family,
+                     model_hidden=model.hidden_size, model_vocab=model.vocab_size,
+                     model_loops=model.num_loops, **settings)
+
+
+# The tiny models' drafters are 256 wide (the paper's 2 x 512 drafter is for 1.4B+ models;
+# the LadConfig defaults). Head "model", so that
+# the prompt's tokens, EOS and the outputs join the draft vocabulary at inference; on the
+# teacher data it drafts as well as head "vocab" (tiny_ouro, 192 training prompts, 150 steps:
+# dev / confirmation accepted prefix 3.41 / 3.46 against 3.42 / 3.46).
+_TINY = dict(hidden_size=256, num_heads=4, steps=200, head="model")
 CONFIGS = {
-    "tiny_ouro": LadConfig(name="tiny_ouro", model_preset="tiny_ouro",
-                           model_ckpt="checkpoints/tiny_ouro", model_family="ouro",
-                           model_hidden=256, model_loops=4, draft_depth=1, **_TINY),
-    "tiny_raven": LadConfig(name="tiny_raven", model_preset="tiny_raven",
-                            model_ckpt="checkpoints/tiny_raven", model_family="raven",
-                            model_hidden=128, model_loops=8, draft_depth=2, **_TINY),
+    "tiny_ouro": for_preset("tiny_ouro", "tiny_ouro", draft_depth=1, **_TINY),
+    "tiny_raven": for_preset("tiny_raven", "tiny_raven", draft_depth=2, **_TINY),
 }
 
 

@@ -7,8 +7,11 @@ shape differs from the config's), build the data once (`train_lad.data`: prompts
 full-depth greedy continuations, early-loop states; cached in the workdir as `data.npz`), pick
 the draft vocabulary, then train (`train_lad.train`) with a progress bar, `metrics.jsonl` and
 Orbax checkpoints. Running the same command again resumes from the last checkpoint. Output in
-the workdir: `best/` (the drafter chosen on the development split), `draft_vocab.npy`,
-`lad_config.json`, `summary.json`.
+the workdir: `drafter.safetensors` (the drafter chosen on the development split, written when
+training ends: the file decoding loads, `--method=loopahead --lad=<workdir>`,
+`lookahead_jax.looped.drafter.load_drafter_file`), `summary.json`, `lad_config.json` (the run's
+settings), and for resuming `best/`, `latest/` (Orbax) and `data.npz` (the teacher data and
+the draft vocabulary).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 
-from lookahead_jax.model_store import default_cache_dir
+from lookahead_jax.store.model_store import default_cache_dir
 from models.config import ConfigError
 from train_lad import config as lad_config
 from train_lad import data as lad_data
@@ -57,9 +60,10 @@ def base_fingerprint(model) -> dict:
 
 
 def load_base_model(cfg: lad_config.LadConfig, ckpt: str | None = None):
-    from lookahead_jax.presets import load_model_and_tokenizer, load_preset  # noqa: PLC0415
+    from lookahead_jax.store.checkpoint import load_model_and_tokenizer  # noqa: PLC0415
+    from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
     preset = load_preset(cfg.model_preset)
-    source = ckpt or cfg.model_ckpt
+    source = ckpt or cfg.model_ckpt or preset.checkpoint
     if source is not None and source != "random" and not os.path.exists(source):
         raise ConfigError(f"looped-model checkpoint {source} does not exist (train it with "
                           f"train_looped, or pass --ckpt)")
@@ -122,12 +126,11 @@ def run(cfg: lad_config.LadConfig, workdir, *, ckpt: str | None = None, log=prin
     fingerprint = base_fingerprint(model)
     check_workdir(workdir, fingerprint)  # before the data are rebuilt for another model
     data, vocab = build_data(cfg, model, tokenizer, workdir, fingerprint, log)
-    np.save(workdir / "draft_vocab.npy", vocab)
     (workdir / "lad_config.json").write_text(json.dumps(
         {**dataclasses.asdict(cfg), "base": fingerprint}, indent=1) + "\n")
     out_embedding = None
     if cfg.head == "model":
-        from train_lad.model import output_embedding  # noqa: PLC0415
+        from lookahead_jax.looped.drafter import output_embedding  # noqa: PLC0415
         out_embedding = np.asarray(output_embedding(model), np.float32)
     summary = train(cfg, data, vocab, workdir, base_fingerprint=fingerprint, log=log,
                     progress_bar=progress_bar, max_steps_now=max_steps_now,

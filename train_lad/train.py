@@ -9,7 +9,9 @@ Checkpoint selection: every `eval_every` steps the development split's average a
 prefix length (anchor included: 0 when the anchor is wrong, else 1 + the drafted tokens that
 match the teacher before the first miss) is measured; the best is kept in `<workdir>/best`,
 the latest in `<workdir>/latest` (Orbax), so a stopped run resumes from its last checkpoint.
-A metrics log (`metrics.jsonl`) and a progress bar report training.
+When training is complete (at the end of the run, or when a finished run is resumed) the best
+checkpoint is written as `<workdir>/drafter.safetensors` (`save_drafter_file`), the file
+decoding loads. A metrics log (`metrics.jsonl`) and a progress bar report training.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from models.config import ConfigError
+from models.layers import causal_mask
 from train_lad.config import LadConfig
-from train_lad.model import DrafterShape, LookaheadDrafter
+from lookahead_jax.looped.drafter import (DRAFTER_FILE, DrafterShape, LookaheadDrafter,
+                                          save_drafter_file)
 
 
 def drafter_shape(cfg: LadConfig, draft_vocab: int) -> DrafterShape:
@@ -57,16 +61,13 @@ def targets(tokens: jax.Array, native: jax.Array, table: jax.Array, prompt_len: 
     return jnp.maximum(tgt, 0), valid, anchor_ok
 
 
-def causal(b: int, t: int) -> jax.Array:
-    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
-
-
 def forward(model: LookaheadDrafter, batch: dict, out_emb: jax.Array | None) -> jax.Array:
     """out_emb [E_model, Vd]: head "model"'s output-embedding columns (None for "vocab")."""
     states = batch["states"].astype(jnp.float32)
     b, t = batch["tokens"].shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    return model(states, batch["native"], pos, causal(b, t), out_emb)
+    mask = causal_mask(jnp.full((b,), t, jnp.int32), t)
+    return model(states, batch["native"], pos, mask, out_emb)
 
 
 def accepted_prefix(logits, tgt, valid, anchor_ok, counted_len):
@@ -190,7 +191,8 @@ def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdi
     a workdir made with another model is refused. max_steps_now: stop after this many steps
     of this call (saving a checkpoint, as Ctrl-C does); the next call resumes.
     out_embedding [E_model, V]: the frozen model's output embedding (`head="model"` only).
-    Returns a summary dict."""
+    Once all cfg.steps are done, writes the best checkpoint's drafter to
+    `<workdir>/drafter.safetensors`. Returns a summary dict."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     table = jnp.asarray(_table(draft_vocab, cfg.model_vocab))
@@ -268,6 +270,12 @@ def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdi
     ckpt.close()
     best_params = best[0]["params"] if best else params
     summary = {"step": prog.step, "best_step": prog.best_step, "dev_accepted_prefix": prog.best_dev}
+    if prog.step >= cfg.steps:
+        drafter = workdir / DRAFTER_FILE
+        save_drafter_file(drafter, nnx.merge(graphdef, best_params), draft_vocab,
+                          draft_depth=cfg.draft_depth, model_family=cfg.model_family,
+                          model_loops=cfg.model_loops)
+        log(f"drafter (step {prog.best_step}): {drafter}")
     if "confirm" in data and len(data["confirm"]["tokens"]):
         summary["confirm_accepted_prefix"] = evaluate(best_params, graphdef, data["confirm"],
                                                       table, cfg, out_emb=out_emb)
@@ -279,16 +287,3 @@ def _table(draft_vocab: np.ndarray, vocab: int) -> np.ndarray:
     from train_lad.data import to_draft_ids  # noqa: PLC0415
     return to_draft_ids(draft_vocab, vocab)
 
-
-def load_drafter(workdir, cfg: LadConfig) -> tuple[LookaheadDrafter, np.ndarray]:
-    """The selected (best-dev) drafter of a finished or stopped run and its draft vocab."""
-    workdir = pathlib.Path(workdir)
-    vocab = np.load(workdir / "draft_vocab.npy")
-    model = LookaheadDrafter(drafter_shape(cfg, len(vocab)), rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model)
-    mgr = ocp.CheckpointManager((workdir / "best").absolute())
-    got = Checkpoints.restore(mgr, {"params": params})
-    mgr.close()
-    if got is None:
-        raise ConfigError(f"{workdir}: no drafter checkpoint")
-    return nnx.merge(graphdef, got[0]["params"]), vocab

@@ -38,7 +38,7 @@ import sys
 import sysconfig
 from typing import Iterator
 
-from lookahead_jax.model_store import default_cache_dir
+from lookahead_jax.store.model_store import default_cache_dir
 
 HELDOUT_PER_MILLE = 30
 DOCS_PACKAGE = "python3.11-doc"

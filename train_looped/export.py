@@ -9,7 +9,7 @@
       metrics.jsonl          the training log
 
 So `models.looped_loader.load_hf_looped(dir)` loads the model and
-`lookahead_jax.tokenizer.load_tokenizer(dir)` the tokenizer, like any HF checkpoint.
+`lookahead_jax.store.tokenizer.load_tokenizer(dir)` the tokenizer, like any HF checkpoint.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from models.looped import LoopedConfig, LoopedLM
+from models.build import build_looped
+from models.config import LoopedConfig
+from models.looped import LoopedLM
 from models.looped_loader import hf_config_dict, hf_state_dict, load_hf_looped, load_looped_config
 
 WEIGHTS = "model.safetensors"
@@ -43,7 +45,7 @@ def save(out_dir: str | os.PathLike, cfg: LoopedConfig, params, *, tokenizer_dir
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = nnx.eval_shape(lambda: LoopedLM(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: build_looped(cfg, rngs=nnx.Rngs(0)))
     graphdef, _, rest = nnx.split(model, nnx.Param, ...)
     model = nnx.merge(graphdef, params, rest)
     tensors = {k: v.astype(DTYPES[dtype]) for k, v in hf_state_dict(model).items()}

@@ -20,7 +20,7 @@ import sys
 
 from absl import app, flags, logging
 
-from lookahead_jax.model_store import default_cache_dir
+from lookahead_jax.store.model_store import default_cache_dir
 
 FLAGS = flags.FLAGS
 
@@ -87,7 +87,7 @@ def main(argv) -> int:
     import numpy as np  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
-    from models.looped import LoopedLM  # noqa: PLC0415
+    from models.build import build_looped  # noqa: PLC0415
     from train_looped import configs, export, train, tokenizer  # noqa: PLC0415
 
     spec = configs.get(FLAGS.model)
@@ -96,7 +96,7 @@ def main(argv) -> int:
     workdir = pathlib.Path(FLAGS.workdir or default_cache_dir() / "train_looped" / spec.name)
     data = tokenizer.prepare(spec.model.vocab_size)
     train_tokens = np.load(data / "train.npy")
-    model = LoopedLM(spec.model, rngs=nnx.Rngs(FLAGS.init_seed))
+    model = build_looped(spec.model, rngs=nnx.Rngs(FLAGS.init_seed))
     if cfg.branch_norm_init != 1.0:
         train.init_branch_norms(model, cfg.branch_norm_init)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

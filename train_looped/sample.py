@@ -69,7 +69,7 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int, depth: int | None 
 def main(argv) -> int:
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every checkpoint step at INFO
-    from lookahead_jax.tokenizer import encode_prompt, load_tokenizer  # noqa: PLC0415
+    from lookahead_jax.store.tokenizer import encode_prompt, load_tokenizer  # noqa: PLC0415
     from train_looped import export  # noqa: PLC0415
 
     if not FLAGS.ckpt:

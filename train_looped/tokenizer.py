@@ -5,7 +5,7 @@ split one per token (as SmolLM2 does) before GPT-2's byte-level regex. The chat 
 
     <|bos|><|user|>\\n{question}\\n<|assistant|>\\n{answer}<|eos|>
 
-which the saved tokenizer's chat template renders, so `lookahead_jax.tokenizer.load_tokenizer`
+which the saved tokenizer's chat template renders, so `lookahead_jax.store.tokenizer.load_tokenizer`
 (and `encode_prompt(..., chat=True)`) work on a checkpoint directory. Every corpus document is
 tokenized as `<|bos|> text <|eos|>`; the token streams are saved as uint16 `.npy` files.
 

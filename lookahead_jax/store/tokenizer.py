@@ -12,9 +12,9 @@ none applies the digit split of the `smollm` / `starcoder` pre-tokenizer.
 from __future__ import annotations
 
 import os
-from typing import Sequence
 
 from models.config import ConfigError
+from models.gguf_loader import GGUFError, gguf_field, open_gguf
 
 # llama.cpp pre-tokenizer types (`tokenizer.ggml.pre`) -> how text is split before BPE.
 #  "gpt2": GPT-2's regex (ByteLevel's own).
@@ -64,7 +64,6 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors  # noqa: PLC0415
     from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
 
-    from models.gguf_loader import GGUFError, gguf_field, open_gguf  # noqa: PLC0415
 
     path, reader = open_gguf(path)
     kind = gguf_field(reader, "tokenizer.ggml.model")
@@ -144,8 +143,3 @@ def encode_prompt(tok, text: str, chat: bool) -> list[int]:
                                            add_generation_prompt=True, tokenize=False)
         return list(tok.encode(rendered, add_special_tokens=False))
     return list(tok.encode(text, add_special_tokens=True))
-
-
-def decode(tok, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-    """Text of token ids (special tokens dropped by default)."""
-    return tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

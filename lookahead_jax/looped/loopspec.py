@@ -39,73 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from lookahead_jax.generation import Output, run_steps
-from lookahead_jax.loop_tree import LoopTree, commit_root, loop_advance, prefill_all_depths
+from lookahead_jax.generation import Output
+from lookahead_jax.method import First, Method
+from lookahead_jax.looped.tree import LoopTree, commit_root, loop_advance, prefill_all_depths
+from lookahead_jax.looped.spec_sampling import DraftVerifier, verify_drafts
 from lookahead_jax.sampling import Sampling
 from models.config import ConfigError
 from models.kv_cache import KVCache
-
-# (uniforms u [B,K], target p [B,V], drafts' distributions q [B,K,V], drafted tokens x [B,K],
-#  which drafts exist has [B,K], key) -> (accepted draft [B] int32, -1 for none; token [B])
-DraftVerifier = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array],
-                         tuple[jax.Array, jax.Array]]
-
-
-def verify_drafts(u: jax.Array, p: jax.Array, q: jax.Array, x: jax.Array, has: jax.Array,
-                  key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Speculative sampling of K drafted tokens in cascade: draft k (when it exists and none
-    before it was accepted) is accepted with probability min(1, r(x_k) / q_k(x_k)), r the
-    residual target (p at first); on its rejection r becomes normalize(max(r - q_k, 0)).
-    With none accepted the token is drawn from the final residual. Keeps p exactly.
-    u [B, K] uniform in [0, 1); p [B, V]; q [B, K, V]; x [B, K]; has [B, K]."""
-    b, k_drafts = x.shape
-    rows = jnp.arange(b)
-    res = p
-    which = jnp.full((b,), -1, jnp.int32)
-    for k in range(k_drafts):
-        trial = has[:, k] & (which < 0)
-        xk = x[:, k]
-        total = res.sum(-1)
-        accept = trial & (u[:, k] * q[rows, k, xk] * total < res[rows, xk])  # u < r/q
-        which = jnp.where(accept, k, which)
-        rejected = trial & ~accept
-        res = jnp.where(rejected[:, None], residual_after(res, q[:, k]), res)
-    drawn = jax.random.categorical(key, jnp.log(res), axis=-1).astype(jnp.int32)
-    token = jnp.where(which >= 0, x[rows, jnp.maximum(which, 0)], drawn)
-    return which, token
-
-
-def residual_after(res: jax.Array, qk: jax.Array) -> jax.Array:
-    """The target left after rejecting a draft from qk: max(normalize(res) - qk, 0)
-    (unnormalised), or res itself where that is empty (res == qk: the draft is never
-    rejected). res, qk [..., V]."""
-    total = res.sum(-1, keepdims=True)
-    nxt = jnp.maximum(res / jnp.maximum(total, 1e-30) - qk, 0.0)
-    return jnp.where(nxt.sum(-1, keepdims=True) > 0, nxt, res)
-
-
-def draft_chances(p: jax.Array, q: jax.Array, x: jax.Array, has: jax.Array
-                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`verify_drafts`'s cascade in expectation, for drafted tokens already drawn: against
-    target p [..., V], drafts x [..., K] from q [..., K, V] (where has [..., K]) returns each
-    draft's probability of being the accepted one [..., K], the probability that all are
-    rejected [...], and the final residual (unnormalised) [..., V], the distribution the
-    token is then drawn from. LoopAhead uses it with an early readout in place of p to decide
-    which children to pause and what to propose next."""
-    res = p
-    none = jnp.ones(p.shape[:-1], jnp.float32)
-    chances = []
-    for k in range(x.shape[-1]):
-        xk = x[..., k:k + 1]
-        r_x = (jnp.take_along_axis(res, xk, axis=-1)[..., 0]
-               / jnp.maximum(res.sum(-1), 1e-30))
-        q_x = jnp.take_along_axis(q[..., k, :], xk, axis=-1)[..., 0]
-        acc = jnp.where(has[..., k], jnp.minimum(1.0, r_x / jnp.maximum(q_x, 1e-30)), 0.0)
-        chances.append(none * acc)
-        none = none * (1.0 - acc)
-        res = jnp.where(has[..., k:k + 1], residual_after(res, q[..., k, :]), res)
-    return jnp.stack(chances, axis=-1), none, res
-
 
 @struct.dataclass
 class LoopStats:
@@ -131,8 +71,8 @@ class LoopSpecState:
     stats: LoopStats
 
 
-def check_looped(model) -> None:
-    if not hasattr(model.config, "num_loops"):
+def check_looped(model_config) -> None:
+    if not hasattr(model_config, "num_loops"):
         raise ConfigError("loopspec / loopahead need a looped model (an Ouro or Raven preset, "
                           "e.g. --config=tiny_ouro); this model is not looped")
 
@@ -146,26 +86,6 @@ def check_scratch_room(cache: KVCache, prompt_bucket: int, max_new_tokens: int,
         raise ConfigError(f"the candidate tree needs {capacity} scratch positions after the "
                           f"prompt (padded to {prompt_bucket}) and {max_new_tokens} new tokens, "
                           f"but the cache of {cache.max_len} leaves {room}: raise cache_len")
-
-
-def loopspec_init(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
-                  lengths: jax.Array, cache: KVCache, key: jax.Array, *,
-                  readout_depths: tuple[int, ...], capacity: int, sampling: Sampling,
-                  max_new_tokens: int, eos_ids: tuple[int, ...]) -> LoopSpecState:
-    """Prefill (every depth's K/V; Raven's coda at `readout_depths`), the first token, a
-    one-node tree per row. tokens [B, P] right-padded, lengths [B]."""
-    model = nnx.merge(graphdef, params)
-    check_looped(model)
-    cfg = model.config
-    logits, cache = prefill_all_depths(model, tokens, lengths, cache, readout_depths)
-    key, sub = jax.random.split(key)
-    first = sampling.sample(sub, logits)
-    b = tokens.shape[0]
-    out, _ = Output.init(b, max_new_tokens).emit(first[:, None], jnp.ones_like(lengths), eos_ids)
-    q_size = 1 if sampling.greedy else cfg.vocab_size
-    tree = LoopTree.init(first, lengths.astype(jnp.int32), capacity, cfg.hidden_size,
-                         model.dtype, q_size)
-    return LoopSpecState(cache, out, tree, key, jnp.ones((), jnp.int32), LoopStats.zeros(b))
 
 
 def loopspec_step(model, state: LoopSpecState, *, d1: int, d2: int, sampling: Sampling,
@@ -253,17 +173,6 @@ def loopspec_step(model, state: LoopSpecState, *, d1: int, d2: int, sampling: Sa
     return LoopSpecState(cache, out, tree, key, state.steps + 1, stats)
 
 
-def loopspec_run(graphdef: nnx.GraphDef, params: nnx.State, state: LoopSpecState,
-                 max_steps: jax.Array, *, d1: int, d2: int, sampling: Sampling,
-                 eos_ids: tuple[int, ...], verifier: DraftVerifier = verify_drafts
-                 ) -> LoopSpecState:
-    """Up to `max_steps` LoopSpec steps (or until every row is done) in one while_loop."""
-    model = nnx.merge(graphdef, params)
-    return run_steps(lambda s: loopspec_step(model, s, d1=d1, d2=d2, sampling=sampling,
-                                             eos_ids=eos_ids, verifier=verifier),
-                     state, max_steps)
-
-
 def loop_summary(stats: LoopStats, num_loops: int | None = None) -> dict:
     """Host side: loops and candidate advances per output token (the first token, from the
     prefill, not counted), and the share of verifications that kept the drafted child."""
@@ -280,19 +189,21 @@ def loop_summary(stats: LoopStats, num_loops: int | None = None) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class LoopSpec:
+class LoopSpec(Method):
     """LoopSpec (`--method=loopspec`): draft from the depth-d1 readout, start the child at
     once, verify at full depth; d2 > d1 adds the dual proposal at depth d2 (0: off).
     capacity: tree nodes per row (0: R // d1 + 1, the longest chain; twice that with d2).
     verifier: the acceptance rule when sampling (tests plant wrong ones)."""
 
-    sampling: Sampling = Sampling()
     d1: int = 1
     d2: int = 0
     capacity: int = 0
     verifier: DraftVerifier = verify_drafts
 
+    name = "loopspec"
+
     def __post_init__(self):
+        super().__post_init__()
         if self.d1 < 1:
             raise ConfigError(f"loopspec: d1 must be >= 1, got {self.d1}")
         if self.d2 and self.d2 <= self.d1:
@@ -303,30 +214,36 @@ class LoopSpec:
     def tree_capacity(self, num_loops: int) -> int:
         return self.capacity or (num_loops // self.d1 + 1) * (2 if self.d2 else 1)
 
-    @property
-    def step_tokens(self) -> int:
-        # cache room for the tree's scratch positions (the engine sizes the cache before the
-        # model's R is known; init checks the room against the tree's capacity)
-        return self.capacity or 32
+    def cache_capacity(self, model_config) -> int:
+        check_looped(model_config)
+        return self.tree_capacity(model_config.num_loops)  # the tree's scratch positions
 
-    def init(self, graphdef, params, tokens, lengths, cache, key, *, max_new_tokens, eos_ids,
-             vocab_size):
-        model = nnx.merge(graphdef, params)
-        check_looped(model)
-        r_full = model.config.num_loops
-        if max(self.d1, self.d2) >= r_full:
+    def check(self, model_config) -> None:
+        check_looped(model_config)
+        if max(self.d1, self.d2) >= model_config.num_loops:
             raise ConfigError(f"loopspec: d1 ({self.d1}) and d2 ({self.d2}) must be below the "
-                              f"model's {r_full} loops")
-        capacity = self.tree_capacity(r_full)
-        check_scratch_room(cache, tokens.shape[1], max_new_tokens, capacity)
-        return loopspec_init(graphdef, params, tokens, lengths, cache, key,
-                             readout_depths=(self.d1, self.d2, r_full), capacity=capacity,
-                             sampling=self.sampling, max_new_tokens=max_new_tokens,
-                             eos_ids=eos_ids)
+                              f"model's {model_config.num_loops} loops")
 
-    def run(self, graphdef, params, state, max_steps, *, eos_ids):
-        return loopspec_run(graphdef, params, state, max_steps, d1=self.d1, d2=self.d2,
-                            sampling=self.sampling, eos_ids=eos_ids, verifier=self.verifier)
+    def prefill(self, model, tokens, lengths, cache):
+        logits, cache = prefill_all_depths(model, tokens, lengths, cache,
+                                           (self.d1, self.d2, model.config.num_loops))
+        return logits, cache, None
+
+    def start(self, model, params, first: First) -> LoopSpecState:
+        """A one-node tree per row: the first token at its position, depth 0."""
+        cfg = model.config
+        capacity = self.tree_capacity(cfg.num_loops)
+        check_scratch_room(first.cache, first.tokens.shape[1], first.out.tokens.shape[1],
+                           capacity)
+        q_size = 1 if self.sampling.greedy else cfg.vocab_size
+        tree = LoopTree.init(first.token, first.lengths.astype(jnp.int32), capacity,
+                             cfg.hidden_size, model.dtype, q_size)
+        return LoopSpecState(first.cache, first.out, tree, first.key, jnp.ones((), jnp.int32),
+                             LoopStats.zeros(first.tokens.shape[0]))
+
+    def step(self, model, params, state: LoopSpecState, *, eos_ids) -> LoopSpecState:
+        return loopspec_step(model, state, d1=self.d1, d2=self.d2, sampling=self.sampling,
+                             eos_ids=eos_ids, verifier=self.verifier)
 
     def summary(self, state: LoopSpecState) -> dict:
         return {"d1": self.d1, "d2": self.d2, "capacity": state.tree.capacity,

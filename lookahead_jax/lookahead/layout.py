@@ -24,9 +24,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from lookahead_jax.config import LookaheadConfig
+if TYPE_CHECKING:  # config.py imports this module for `tokens_per_step`
+    from lookahead_jax.lookahead.config import LookaheadConfig
+
+
+def tokens_per_step(W: int, N: int, G: int, devices: int = 1) -> int:
+    """Tokens one lookahead step feeds a device: (N-1)(W+G) on one device; with lookahead
+    parallelism over `devices`, a device's share (`ShardedLayout.size`) plus the N-1 re-fed
+    accepted tokens."""
+    if devices <= 1:
+        return (N - 1) * (W + G)
+    return ShardedLayout(W, N, G, devices).size + N - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +54,7 @@ class StepLayout:
     @property
     def size(self) -> int:
         """T, the number of tokens in one step."""
-        return (self.N - 1) * (self.W + self.G)
+        return tokens_per_step(self.W, self.N, self.G)
 
     @property
     def window_index(self) -> np.ndarray:

@@ -34,6 +34,7 @@ forward pass (fp32 round-off).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,13 +42,14 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh, PartitionSpec
 
-from lookahead_jax.config import LookaheadConfig
-from lookahead_jax.generation import Output, run_steps
-from lookahead_jax.layout import ShardedLayout
+from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.generation import Output
+from lookahead_jax.lookahead.layout import ShardedLayout
 from lookahead_jax.sampling import Sampling
-from lookahead_jax.step import (LookaheadState, advance_state, lookahead_init, step_candidates,
-                                summarize)
-from lookahead_jax.verify import sampling_verdict, verify_greedy
+from lookahead_jax.lookahead.step import (LookaheadState, advance_state, lookahead_start,
+                                          step_candidates, summarize)
+from lookahead_jax.method import First, Method
+from lookahead_jax.lookahead.verify import sampling_verdict, verify_greedy
 from models.config import ConfigError
 from models.kv_cache import KVCache
 
@@ -171,51 +173,43 @@ def parallel_step(model: nnx.Module, st: ParallelState, *, cfg: LookaheadConfig,
     return ParallelState(inner, verdict.tokens[:, :n1], jnp.where(live, verdict.accepted, 0))
 
 
-def parallel_run(graphdef: nnx.GraphDef, params: nnx.State, state: ParallelState,
-                 max_steps: jax.Array, *, cfg: LookaheadConfig, devices: int,
-                 sampling: Sampling, eos_ids: tuple[int, ...]) -> ParallelState:
-    """Up to `max_steps` steps on `devices` devices: one shard_map around one while_loop.
-    Parameters and state are replicated; only the step's tokens are split."""
-
-    def body(params, state, max_steps):
-        model = nnx.merge(graphdef, params)
-        return run_steps(lambda s: parallel_step(model, s, cfg=cfg, devices=devices,
-                                                 sampling=sampling, eos_ids=eos_ids),
-                         state, max_steps)
-
-    rep = PartitionSpec()
-    return jax.shard_map(body, mesh=lookahead_mesh(devices), in_specs=(rep, rep, rep),
-                         out_specs=rep, check_vma=False)(params, state, max_steps)
-
-
 @dataclasses.dataclass(frozen=True)
-class ParallelLookahead:
+class ParallelLookahead(Method):
     """Lookahead decoding with lookahead parallelism over `devices` local devices
     (`--method=lookahead --devices=N`). Dense attention only."""
 
     config: LookaheadConfig = LookaheadConfig()
-    sampling: Sampling = Sampling()
     devices: int = 2
 
+    name = "lookahead"
+
     def __post_init__(self):
+        super().__post_init__()
         lookahead_mesh(self.devices)  # fails here if there are not enough devices
 
-    @property
-    def step_tokens(self) -> int:
-        return self.config.N
+    def cache_capacity(self, model_config) -> int:
+        return self.config.N  # the re-fed tokens and the current token
 
-    def init(self, graphdef, params, tokens, lengths, cache, key, *, max_new_tokens, eos_ids,
-             vocab_size):
-        inner = lookahead_init(graphdef, params, tokens, lengths, cache, key, cfg=self.config,
-                               sampling=self.sampling, max_new_tokens=max_new_tokens,
-                               eos_ids=eos_ids, vocab_size=vocab_size)
-        b = tokens.shape[0]
+    def check(self, model_config) -> None:
+        self.config.check_fits(model_config.max_position_embeddings)
+
+    def start(self, model, params, first: First) -> ParallelState:
+        inner = lookahead_start(first, self.config, model.config.vocab_size)
+        b = first.tokens.shape[0]
         return ParallelState(inner, jnp.zeros((b, self.config.N - 1), jnp.int32),
                              jnp.zeros((b,), jnp.int32))
 
+    def step(self, model, params, state: ParallelState, *, eos_ids) -> ParallelState:
+        return parallel_step(model, state, cfg=self.config, devices=self.devices,
+                             sampling=self.sampling, eos_ids=eos_ids)
+
     def run(self, graphdef, params, state, max_steps, *, eos_ids):
-        return parallel_run(graphdef, params, state, max_steps, cfg=self.config,
-                            devices=self.devices, sampling=self.sampling, eos_ids=eos_ids)
+        """Up to `max_steps` steps on `devices` devices: one shard_map around the base class's
+        while_loop. Parameters and state are replicated; only the step's tokens are split."""
+        body = functools.partial(Method.run, self, graphdef, eos_ids=eos_ids)
+        rep = PartitionSpec()
+        return jax.shard_map(body, mesh=lookahead_mesh(self.devices), in_specs=(rep, rep, rep),
+                             out_specs=rep, check_vma=False)(params, state, max_steps)
 
     def summary(self, state: ParallelState) -> dict:
         lay = ShardedLayout(self.config.W, self.config.N, self.config.G, self.devices)

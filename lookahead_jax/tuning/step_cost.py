@@ -4,7 +4,8 @@ Lookahead decoding trades more tokens per forward pass for fewer passes. Whether
 depends on the device: on a GPU a step of 100 tokens costs about as much as one of 1 token
 (memory-bound); on a small CPU it costs much more (compute-bound). `measure_step_cost` times
 one forward pass of T tokens over a cache of a given length, for several T, on the current
-device; `predicted_speedup` combines that with a step compression S.
+device; `relative_cost` reads the curve in units of a one-token step (what
+`lookahead_jax.tuning.auto` divides the scaling law's step compression S by).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.kv_cache import KVCache
+from models.layers import causal_mask
 
 
 def _forward_fn(graphdef):
@@ -25,9 +27,7 @@ def _forward_fn(graphdef):
         model = nnx.merge(graphdef, params)
         b, t = tokens.shape
         pos = cache.length[:, None] + jnp.arange(t)[None]
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        mask = jnp.concatenate([jnp.broadcast_to(cache.visible()[:, None], (b, t, cache.max_len)),
-                                jnp.broadcast_to(causal[None], (b, t, t))], axis=-1)
+        mask = causal_mask(jnp.full((b,), t, jnp.int32), t, cache)
         logits, new_kv = model(tokens, pos, mask, cache)
         return logits.sum(), new_kv
     return jax.jit(fwd)
@@ -68,7 +68,3 @@ def relative_cost(costs: dict[int, float], tokens: int) -> float:
             return (costs[lo] + (costs[hi] - costs[lo]) * (tokens - lo) / (hi - lo)) / base
     return costs[ts[-1]] * tokens / ts[-1] / base
 
-
-def predicted_speedup(step_compression: float, costs: dict[int, float], tokens: int) -> float:
-    """Wall-clock speed-up over plain decoding predicted from S and the step-cost curve."""
-    return step_compression / relative_cost(costs, tokens)

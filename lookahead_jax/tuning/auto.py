@@ -1,8 +1,8 @@
 """Automatic W, N, G: the settings the scaling law and this device's step cost predict fastest.
 
 Lookahead decoding's speed-up over plain decoding is S / c: S tokens per step (the scaling
-law, `lookahead_jax.scaling_law`, with (a, f) fitted to a measured sweep) at a step cost of
-c plain steps (the step-cost curve, `lookahead_jax.step_cost`: one forward pass of T tokens
+law, `lookahead_jax.tuning.scaling_law`, with (a, f) fitted to a measured sweep) at a step cost of
+c plain steps (the step-cost curve, `lookahead_jax.tuning.step_cost`: one forward pass of T tokens
 against one of a single token, measured on the current device at the current cache length).
 On a GPU a 100-token step costs little more than a 1-token one and wide windows pay; on a
 small CPU cost grows with T and small settings win. `choose_settings` measures the curve,
@@ -21,12 +21,12 @@ it prefer W = 1 with many candidates, which a real pool cannot feed.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Iterable, Mapping, Sequence
 
-from lookahead_jax.config import LookaheadConfig
-from lookahead_jax.scaling_law import DEFAULT_FIT, REPO, STORED_FIT, ScalingFit, load_fit
-from lookahead_jax.step_cost import relative_cost
+from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.lookahead.layout import tokens_per_step
+from lookahead_jax.tuning.scaling_law import ScalingFit, default_fit, load_fit
+from lookahead_jax.tuning.step_cost import measure_step_cost, relative_cost
 from models.config import ConfigError
 
 GRID_W = (1, 2, 3, 4, 5, 7, 10, 15, 20)
@@ -108,15 +108,6 @@ def candidate_grid(Ws: Iterable[int] = GRID_W, Ns: Iterable[int] = GRID_N,
     return out
 
 
-def step_tokens(W: int, N: int, G: int, devices: int = 1) -> int:
-    """Tokens one step feeds each device: (N-1)(W+G) (`StepLayout.size`), or with lookahead
-    parallelism a device's share plus the N-1 re-fed accepted tokens."""
-    if devices <= 1:
-        return (N - 1) * (W + G)
-    from lookahead_jax.layout import ShardedLayout  # noqa: PLC0415
-    return ShardedLayout(W, N, G, devices).size + N - 1
-
-
 def monotone_costs(step_costs: Mapping[int, float]) -> dict[int, float]:
     """The curve made non-decreasing in T: cost(T) = min over measured T' >= T (a step of
     fewer tokens never costs more than a wider one, which could be padded to it); this removes
@@ -141,7 +132,7 @@ def rank(fit: ScalingFit, step_costs: Mapping[int, float],
     costs = monotone_costs(step_costs)
     out = []
     for w, n, g in grid:
-        t = step_tokens(w, n, g, devices)
+        t = tokens_per_step(w, n, g, devices)
         s = float(fit.predict_S(w, n, g))
         c = relative_cost(costs, t)
         out.append(Candidate(w, n, g, t, s, c, s / c))
@@ -152,7 +143,7 @@ def rank(fit: ScalingFit, step_costs: Mapping[int, float],
 def tokens_to_measure(grid: Sequence[tuple[int, int, int]], devices: int = 1) -> list[int]:
     """Token counts at which to measure the step-cost curve: 1, the powers of two below the
     widest candidate, and the widest candidate itself (interpolated in between)."""
-    widest = max(step_tokens(w, n, g, devices) for w, n, g in grid)
+    widest = max(tokens_per_step(w, n, g, devices) for w, n, g in grid)
     ts = {1, widest}
     t = 2
     while t < widest:
@@ -162,14 +153,11 @@ def tokens_to_measure(grid: Sequence[tuple[int, int, int]], devices: int = 1) ->
 
 
 def resolve_fit(fit: ScalingFit | str | None) -> ScalingFit:
-    """A ScalingFit, a path to a JSON fit (`scaling_law.save_fits`), or None: the pooled fit
-    of the repository's benchmarks/results/scaling_fit.json when present (the last
-    `benchmarks.suite --sweep`), else DEFAULT_FIT (our stored SmolLM2 runs)."""
+    """A ScalingFit, a path to a JSON fit (`scaling_law.save_fits`), or None: the one default
+    fit shipped with the package (`scaling_law.default_fit()`). The fit's `source` says
+    which it is (the report prints it)."""
     if fit is None:
-        stored = os.path.join(REPO, STORED_FIT)
-        if not os.path.exists(stored):
-            return DEFAULT_FIT
-        fit = stored
+        return default_fit()
     if isinstance(fit, ScalingFit):
         return fit
     try:
@@ -191,14 +179,13 @@ def choose_settings(engine, *, prompt_len: int = 64, max_new_tokens: int = 128,
     The curve is measured at cache length prompt_len + max_new_tokens // 2 (the middle of a
     generation). The chosen config keeps `base`'s other fields (pool, prompt seeding;
     default: engine.lookahead, else LookaheadConfig's defaults)."""
-    from lookahead_jax.step_cost import measure_step_cost  # noqa: PLC0415
     fit = resolve_fit(fit)
     grid = list(grid) if grid is not None else candidate_grid()
     if not grid:
         raise ConfigError("auto: the candidate grid is empty")
     devices = getattr(engine, "devices", 1) or 1
     limit = engine.config.max_position_embeddings
-    fitting = [c for c in grid if step_tokens(*c) <= limit]
+    fitting = [c for c in grid if tokens_per_step(*c) <= limit]
     if not fitting:
         raise ConfigError(f"auto: no candidate's step fits the model's {limit} positions")
     cache_len = max(1, int(prompt_len) + int(max_new_tokens) // 2)

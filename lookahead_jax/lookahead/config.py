@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from lookahead_jax.lookahead.layout import tokens_per_step
 from models.config import ConfigError
 
 INIT_FILLS = ("prompt", "vocab")
@@ -54,7 +55,7 @@ class LookaheadConfig:
     @property
     def step_tokens(self) -> int:
         """Tokens fed to the model per step: [current | window | candidates] = (N-1)(W+G)."""
-        return (self.N - 1) * (self.W + self.G)
+        return tokens_per_step(self.W, self.N, self.G)
 
     @property
     def slots(self) -> int:
@@ -63,9 +64,9 @@ class LookaheadConfig:
     def keys(self, vocab_size: int) -> int:
         return min(self.pool_keys or vocab_size, vocab_size)
 
-    def check_fits(self, cache_len: int, max_positions: int) -> None:
-        """Raises if one step cannot fit next to a cache of `cache_len` slots."""
-        if self.step_tokens > max(cache_len, max_positions):
+    def check_fits(self, max_positions: int) -> None:
+        """Raises if one step feeds more tokens than the model has positions."""
+        if self.step_tokens > max_positions:
             raise ConfigError(
                 f"lookahead: one step feeds (N-1)(W+G) = {self.step_tokens} tokens, more than the "
                 f"model's {max_positions} positions")

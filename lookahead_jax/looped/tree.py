@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.kv_cache import KVCache, NewKV
-from models.llama import causal_mask
+from models.layers import causal_mask
 
 
 @struct.dataclass

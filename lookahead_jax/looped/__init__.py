@@ -1,0 +1,1 @@
+"""Decoding looped models: the candidate tree, speculative sampling, LoopSpec, LoopAhead and its drafter."""

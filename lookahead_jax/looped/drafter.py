@@ -1,0 +1,320 @@
+"""The lookahead drafter (LAD): a small causal transformer over a looped model's early-loop
+states that drafts K future tokens in one pass.
+
+Input at position t: the frozen model's state of token t at loop `draft_depth`, projected to the
+drafter's width, plus the embedding of the anchor a_t (the model's native proposal for token
+t + 1, the argmax of its readout at that depth). Output at t: K distributions over the draft
+vocabulary for tokens t + 2 .. t + K + 1 (the K tokens after the anchor). Causal, so one pass
+over a sequence trains (or drafts at) every position.
+
+Two output heads (`DrafterShape.head`):
+
+- "vocab": a trained matrix with one column per draft-vocabulary token. It has no logit for
+  any other token, so the draft vocabulary is fixed at training.
+- "model": per k, a vector in the looped model's hidden space, scored against the frozen
+  model's own output embedding (`output_embedding`: its lm_head, or its tied token embedding)
+  at the columns of the tokens asked for. Every token id then has a meaningful logit (the
+  output embedding was trained over the whole vocabulary), so at inference the draft
+  vocabulary can take in the prompt's tokens, EOS and the committed outputs; training scores
+  the draft vocabulary's columns only.
+
+The drafter file (`save_drafter_file` / `load_drafter_file`): one safetensors file that training
+(`train_lad`) writes and decoding loads, with no optimizer or checkpointing library. Tensors: the
+network's parameters by dotted path (`state_proj.kernel`, `layers.0.mlp.up_proj.kernel`, ...)
+and `draft_vocab` (int32 ids in the looped model's vocabulary). Metadata (strings): `format`
+(`lookahead_jax.drafter/1`), the network's shape (`state_size`, `vocab_size`, `hidden_size`,
+`num_layers`, `num_heads`, `K`, `head`) and the looped model it drafts for (`model_family`,
+`model_loops`, and `draft_depth`: the loop whose states feed it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from models.config import ConfigError, LlamaConfig
+from models.layers import RMSNorm, dot_product_attention, rope_cos_sin, rope_inv_freq
+from models.llama import DecoderLayer
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterShape:
+    state_size: int  # the looped model's hidden size
+    vocab_size: int  # the looped model's vocabulary (anchors)
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    K: int
+    draft_vocab: int
+    head: str = "vocab"  # "vocab" | "model" (see the module docstring)
+
+    def block_config(self) -> LlamaConfig:
+        return LlamaConfig(vocab_size=self.draft_vocab, hidden_size=self.hidden_size,
+                           intermediate_size=int(self.hidden_size * 8 / 3) // 8 * 8,
+                           num_layers=self.num_layers, num_heads=self.num_heads,
+                           num_kv_heads=self.num_heads, eos_token_ids=())
+
+
+class LookaheadDrafter(nnx.Module):
+    def __init__(self, shape: DrafterShape, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.shape = shape
+        blk = shape.block_config()
+        self.block_cfg = blk
+        self.state_proj = nnx.Linear(shape.state_size, shape.hidden_size, dtype=dtype,
+                                     param_dtype=dtype, rngs=rngs)
+        self.state_norm = RMSNorm(shape.state_size, 1e-6, dtype=dtype)
+        self.anchor_embed = nnx.Embed(shape.vocab_size, shape.hidden_size, dtype=dtype,
+                                      param_dtype=dtype, rngs=rngs,
+                                      embedding_init=nnx.initializers.normal(0.02))
+        self.layers = nnx.List([DecoderLayer(blk, dtype=dtype, rngs=rngs)
+                                for _ in range(shape.num_layers)])
+        self.norm = RMSNorm(shape.hidden_size, 1e-6, dtype=dtype)
+        width = shape.draft_vocab if shape.head == "vocab" else shape.state_size
+        self.heads = nnx.Linear(shape.hidden_size, shape.K * width, dtype=dtype,
+                                param_dtype=dtype, rngs=rngs)
+
+    def features(self, states: jax.Array, anchors: jax.Array, positions: jax.Array,
+                 mask: jax.Array, last_only: bool = False) -> jax.Array:
+        """states [B,T,E_model]; anchors, positions [B,T] int32; mask [B,T,T] bool (causal).
+        Returns [B,T,K,F] float32 for tokens t + 1 + k (k = 1..K): head "vocab", the logits
+        over the draft vocabulary (F = Vd); head "model", vectors to score against the looped
+        model's output embedding (F = E_model). last_only: the last position's alone
+        ([B,1,K,F], the same values): the last layer then computes only the other positions'
+        K/V, not their queries, attention outputs and MLP (decoding drafts at one position)."""
+        x = self.state_proj(self.state_norm(states)) + self.anchor_embed(anchors)
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(self.block_cfg))
+        n_full = len(self.layers) - 1 if last_only else len(self.layers)
+        for layer in list(self.layers)[:n_full]:
+            x, _ = layer(x, cos, sin, mask, None, None, dot_product_attention)
+        if last_only:
+            last = self.layers[n_full]
+            k, v = last.self_attn.key_value(last.input_layernorm(x[:, :-1]), cos[:, :-1],
+                                            sin[:, :-1])
+            x, _ = last(x[:, -1:], cos[:, -1:], sin[:, -1:], mask[:, -1:], k, v,
+                        dot_product_attention)
+        b, t, _ = x.shape
+        return self.heads(self.norm(x)).astype(jnp.float32).reshape(b, t, self.shape.K, -1)
+
+    def __call__(self, states: jax.Array, anchors: jax.Array, positions: jax.Array,
+                 mask: jax.Array, out_emb: jax.Array | None = None) -> jax.Array:
+        """As `features`; returns logits [B,T,K,Vd] float32 over the draft vocabulary. Head
+        "model" needs out_emb [E_model, Vd]: the output embedding's draft-vocabulary columns."""
+        f = self.features(states, anchors, positions, mask)
+        if self.shape.head == "vocab":
+            return f
+        return model_head_scores(f, out_emb)
+
+
+def model_head_scores(features: jax.Array, columns: jax.Array) -> jax.Array:
+    """Head "model": features [..., K, E] (`LookaheadDrafter.features`) scored against columns
+    [E, V'] of the looped model's output embedding (`output_embedding`) -> logits [..., K, V']
+    float32, one per column's token. Training and decoding both score this way."""
+    return jnp.einsum("...ke,ev->...kv", features, columns.astype(jnp.float32))
+
+
+def output_embedding(model) -> jax.Array:
+    """A looped model's output embedding [E, V] float32 (the readout's logits are the last
+    hidden state times it): its lm_head kernel, or with tied embeddings its token embedding
+    (transposed), divided by its mean column norm, so that a head "model" drafter's scores
+    start at a useful scale whatever the model's. Training and decoding both use this."""
+    if model.lm_head is not None:
+        w = model.lm_head.kernel.get_value()
+    else:
+        table = model.embed_tokens if model.config.family == "ouro" else model.wte
+        w = table.embedding.get_value().T
+    w = w.astype(jnp.float32)
+    return w / jnp.maximum(jnp.linalg.norm(w, axis=0).mean(), 1e-12)
+
+
+class LadDrafter:
+    """A trained lookahead drafter ready for decoding: its graph, parameters, draft vocabulary
+    and `draft_depth` (the loop whose states it drafts from: LoopAhead's r1). Load one with
+    `LadDrafter.load` (a drafter file, or a `train_lad` workdir). Hashed by identity (a static
+    part of the method; the parameters travel as arrays through `LoopAhead.bundle_params`)."""
+
+    def __init__(self, model: LookaheadDrafter, draft_vocab: np.ndarray, *, draft_depth: int = 1):
+        self.graphdef, params = nnx.split(model)
+        self.params = {"net": params, "vocab": jnp.asarray(draft_vocab, jnp.int32)}
+        self.K = model.shape.K
+        self.head = model.shape.head
+        self.draft_depth = int(draft_depth)
+
+    def draft(self, params, states, anchors, positions, mask, *, extra_ids=None,
+              out_embedding=None) -> jax.Array:
+        """states [B,W,E], anchors, positions [B,W], mask [B,W,W] -> the K tokens after the
+        anchor of the last window position, [B,K] (full-vocabulary ids): each the argmax over
+        the draft vocabulary and, with head "model", over extra_ids [B,X] too (the request's
+        own tokens; -1: an empty slot), every token scored against out_embedding [E,V] (the
+        looped model's). Head "vocab" has a logit for its own vocabulary's tokens only, so it
+        ignores extra_ids."""
+        net = nnx.merge(self.graphdef, params["net"])
+        vocab = params["vocab"]
+        f = net.features(states, anchors, positions, mask, last_only=True)[:, -1]  # [B,K,F]
+        if self.head == "vocab":
+            return vocab[jnp.argmax(f, axis=-1)]
+        w = out_embedding.astype(jnp.float32)
+        logits = model_head_scores(f, w[:, vocab])  # [B,K,Vd]
+        ids = jnp.broadcast_to(vocab[None], (f.shape[0], vocab.shape[0]))
+        if extra_ids is not None:
+            cols = jnp.take(w, jnp.maximum(extra_ids, 0), axis=1)  # [E,B,X]: a row's own
+            extra = jax.vmap(model_head_scores, in_axes=(0, 1))(f, cols)  # [B,K,X]
+            logits = jnp.concatenate(
+                [logits, jnp.where(extra_ids[:, None, :] >= 0, extra, -jnp.inf)], axis=-1)
+            ids = jnp.concatenate([ids, extra_ids], axis=-1)
+        return jnp.take_along_axis(ids, jnp.argmax(logits, axis=-1), axis=1)
+
+    @classmethod
+    def load(cls, path_or_workdir, model_config=None) -> "LadDrafter":
+        """A drafter file (`.safetensors`, `save_drafter_file`), or a `train_lad` workdir
+        holding one (`drafter.safetensors`, written when its training finishes). With
+        model_config (the decoding model's), checks that the drafter fits that model
+        (`load_drafter_file`)."""
+        path = os.fspath(path_or_workdir)
+        if os.path.isdir(path):
+            file = os.path.join(path, DRAFTER_FILE)
+            if os.path.isfile(file):
+                return load_drafter_file(file, model_config)
+            if os.path.exists(os.path.join(path, "lad_config.json")):
+                raise ConfigError(f"drafter {path}: this train_lad workdir has no {DRAFTER_FILE} "
+                                  f"yet (its training has not finished: run the same "
+                                  f"python -m train_lad.main command again to finish it)")
+            raise ConfigError(f"drafter {path}: a directory without {DRAFTER_FILE} (pass a "
+                              f"drafter .safetensors file or a train_lad workdir; train one "
+                              f"with python -m train_lad.main)")
+        if not os.path.exists(path):
+            raise ConfigError(f"drafter {path} does not exist (train one with "
+                              f"python -m train_lad.main)")
+        if not path.endswith(".safetensors"):
+            raise ConfigError(f"drafter {path}: not a .safetensors drafter file or a train_lad "
+                              f"workdir (train one with python -m train_lad.main)")
+        return load_drafter_file(path, model_config)
+
+
+# -- the drafter file --------------------------------------------------------------------------
+
+DRAFTER_FORMAT = "lookahead_jax.drafter/1"
+DRAFTER_FILE = "drafter.safetensors"  # its name in a train_lad workdir
+_SHAPE_META = ("state_size", "vocab_size", "hidden_size", "num_layers", "num_heads", "K")
+_MODEL_META = ("draft_depth", "model_loops")
+VOCAB_TENSOR = "draft_vocab"
+
+
+def _tensor_name(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def save_drafter_file(path, net: LookaheadDrafter, draft_vocab, *, draft_depth: int,
+                      model_family: str, model_loops: int) -> None:
+    """Writes the drafter network `net`, its draft vocabulary (ids in the looped model's
+    vocabulary, one per draft-vocabulary column) and the looped model it drafts for (family,
+    loop count, and draft_depth: the loop whose states feed it) to the safetensors file `path`
+    (replaced atomically). Format: the module docstring."""
+    shape = net.shape
+    vocab = np.asarray(draft_vocab)
+    if vocab.ndim != 1 or len(vocab) != shape.draft_vocab:
+        raise ValueError(f"draft_vocab: {vocab.shape} ids for a drafter of {shape.draft_vocab} "
+                         f"draft-vocabulary tokens")
+    if not 1 <= draft_depth < model_loops:
+        raise ValueError(f"draft_depth must be in [1, {model_loops}), got {draft_depth}")
+    tensors = {_tensor_name(p): np.asarray(v.get_value())
+               for p, v in nnx.to_flat_state(nnx.state(net, nnx.Param))}
+    tensors[VOCAB_TENSOR] = vocab.astype(np.int32)
+    meta = {"format": DRAFTER_FORMAT, **{k: str(getattr(shape, k)) for k in _SHAPE_META},
+            "head": shape.head, "draft_depth": str(int(draft_depth)),
+            "model_family": str(model_family), "model_loops": str(int(model_loops))}
+    path = os.fspath(path)
+    tmp = f"{path}.tmp"
+    save_file(tensors, tmp, metadata=meta)
+    os.replace(tmp, path)
+
+
+def load_drafter_file(path, model_config=None) -> LadDrafter:
+    """The drafter of a file written by `save_drafter_file`. Every tensor's name and shape is
+    checked against the network its metadata describe. With model_config (a looped model's
+    config), checks that the drafter fits that model: the same family, hidden size (the
+    drafter's state_size), vocabulary, and draft_depth below its loop count; a mismatch raises
+    ConfigError naming the field."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"drafter file {path} does not exist (train one with "
+                          f"python -m train_lad.main)")
+    try:
+        with safe_open(path, "numpy") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ConfigError(f"drafter file {path}: not a readable safetensors file ({e})") from e
+    if meta.get("format") != DRAFTER_FORMAT:
+        raise ConfigError(f"drafter file {path}: format is {meta.get('format')!r}, expected "
+                          f"{DRAFTER_FORMAT!r}")
+    ints = {}
+    for k in (*_SHAPE_META, *_MODEL_META):
+        try:
+            ints[k] = int(meta[k])
+        except (KeyError, ValueError):
+            raise ConfigError(f"drafter file {path}: metadata {k} is {meta.get(k)!r}, expected "
+                              f"an integer") from None
+    if meta.get("head") not in ("vocab", "model"):
+        raise ConfigError(f"drafter file {path}: metadata head is {meta.get('head')!r}, "
+                          f"expected 'vocab' or 'model'")
+    if not meta.get("model_family"):
+        raise ConfigError(f"drafter file {path}: no metadata model_family")
+    if not 1 <= ints["draft_depth"] < ints["model_loops"]:
+        raise ConfigError(f"drafter file {path}: metadata draft_depth {ints['draft_depth']} is "
+                          f"not in [1, model_loops = {ints['model_loops']})")
+    vocab = tensors.pop(VOCAB_TENSOR, None)
+    if vocab is None or vocab.ndim != 1 or not np.issubdtype(vocab.dtype, np.integer):
+        raise ConfigError(f"drafter file {path}: no 1-D integer tensor {VOCAB_TENSOR}")
+    if len(vocab) == 0 or vocab.min() < 0 or vocab.max() >= ints["vocab_size"]:
+        raise ConfigError(f"drafter file {path}: {VOCAB_TENSOR} holds ids outside the model's "
+                          f"vocabulary of {ints['vocab_size']}")
+    if model_config is not None:
+        check_drafter_fits(path, meta["model_family"], ints["state_size"], ints["vocab_size"],
+                           ints["draft_depth"], model_config)
+    shape = DrafterShape(**{k: ints[k] for k in _SHAPE_META}, draft_vocab=len(vocab),
+                         head=meta["head"])
+    abstract = nnx.eval_shape(lambda: LookaheadDrafter(shape, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    want = {_tensor_name(p): (p, v) for p, v in nnx.to_flat_state(state)}
+    missing = sorted(set(want) - set(tensors))
+    extra = sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise ConfigError(f"drafter file {path}: tensors do not match its drafter's shape "
+                          f"(missing: {', '.join(missing) or 'none'}; unexpected: "
+                          f"{', '.join(extra) or 'none'})")
+    flat = []
+    for name, (p, v) in want.items():
+        spec, got = v.get_value(), tensors[name]
+        if tuple(got.shape) != tuple(spec.shape):
+            raise ConfigError(f"drafter file {path}: tensor {name} has shape {tuple(got.shape)}, "
+                              f"its drafter's shape needs {tuple(spec.shape)}")
+        flat.append((p, v.replace(jnp.asarray(got, spec.dtype))))
+    net = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return LadDrafter(net, vocab.astype(np.int32), draft_depth=ints["draft_depth"])
+
+
+def check_drafter_fits(source: str, family: str, state_size: int, vocab_size: int,
+                       draft_depth: int, model_config) -> None:
+    """Raises ConfigError naming the first field where the looped model (model_config) does
+    not fit a drafter trained for a `family` model of hidden size state_size and vocabulary
+    vocab_size, on the states of loop draft_depth."""
+    if not hasattr(model_config, "num_loops"):
+        raise ConfigError(f"drafter {source} drafts for a looped model; the decoding model is "
+                          f"not one")
+    for field, want in (("family", family), ("hidden_size", state_size),
+                        ("vocab_size", vocab_size)):
+        got = getattr(model_config, field)
+        if got != want:
+            raise ConfigError(f"drafter {source} does not match the decoding model: {field} is "
+                              f"{got} in the model, {want} in the drafter")
+    if draft_depth >= model_config.num_loops:
+        raise ConfigError(f"drafter {source} does not match the decoding model: num_loops is "
+                          f"{model_config.num_loops}, the drafter's draft_depth "
+                          f"{draft_depth} must be below it")

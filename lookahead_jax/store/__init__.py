@@ -1,0 +1,1 @@
+"""Models on disk: presets, checkpoint loading, the tokenizer, the embedded default model's store."""

@@ -1,0 +1,1 @@
+"""Choosing settings: the scaling law, the step-cost curve, --auto."""
