@@ -1,5 +1,6 @@
-"""One benchmark command: data sets x decoding methods, each prompt decoded by plain
-decoding and then by every method, side by side in one run.
+"""The benchmark suite: data sets x decoding methods, each prompt decoded by plain decoding
+and then by every method, side by side in one run (the other benchmark commands:
+benchmarks/README.md).
 
     python -m benchmarks.suite --num_prompts=20 \\
         --methods=ar,lookahead:15,5,15,lookahead:7,5,7,lookahead:5,3,5,prompt_lookup

@@ -16,9 +16,10 @@ def get_config() -> Preset:
             num_heads=9, num_kv_heads=3, rope_theta=100000.0, rms_norm_eps=1e-5,
             tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=1,
             eos_token_ids=(2,)),
-        # W=5, N=3, G=5 with prompt seeding: of the settings benchmarks/lookahead_bench.py
-        # measured on a 2-core CPU, the fastest (S 1.5-2.1; a CPU step's cost grows with its
-        # tokens, see the step-cost curve there). Accelerators favour wider settings.
+        # W=5, N=3, G=5 with prompt seeding: the fastest lookahead setting that
+        # benchmarks/lookahead_bench.py measured on a 2-core CPU (benchmarks/results/
+        # lookahead_bench.json: S 1.49-1.86, yet 0.58x-0.85x of plain decoding's speed, since a
+        # CPU step's cost grows with its tokens). Accelerators favour wider settings.
         lookahead=LookaheadConfig(W=5, N=3, G=5, prompt_seeding=True),
         checkpoint="smollm2",  # lookahead_jax.store.model_store fetches and caches it
         chat=True,

@@ -15,6 +15,15 @@ class ConfigError(ValueError):
     """A model or decoding configuration that cannot work; the message says why."""
 
 
+def hf_eos_ids(hf: Mapping[str, Any], default: int | None = None) -> tuple[int, ...]:
+    """A Hugging Face config.json's `eos_token_id` (an id, a list of ids, or absent: `default`)
+    -> a tuple of ids."""
+    eos = hf.get("eos_token_id", default)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else (eos,)))
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Llama-3 style frequency-dependent RoPE scaling, or plain linear position scaling."""
@@ -86,8 +95,6 @@ class LlamaConfig:
                     rope = RopeScaling("linear", float(scaling["factor"]))
                 else:
                     raise ConfigError(f"config.json: unsupported rope scaling {rtype!r}")
-            eos = hf.get("eos_token_id", 2)
-            eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
             return cls(
                 vocab_size=int(hf["vocab_size"]),
                 hidden_size=int(hf["hidden_size"]),
@@ -105,7 +112,7 @@ class LlamaConfig:
                 max_position_embeddings=min(int(hf.get("max_position_embeddings", 4096)),
                                             int(hf.get("sliding_window") or 1 << 30)),
                 bos_token_id=hf.get("bos_token_id"),
-                eos_token_ids=tuple(int(e) for e in eos_ids),
+                eos_token_ids=hf_eos_ids(hf, default=2),
             )
         except KeyError as e:
             raise ConfigError(f"config.json: missing field {e.args[0]!r}") from None
@@ -236,15 +243,10 @@ class LoopedConfig:
             raise ConfigError(f"config.json: model_type {arch!r} is not a looped model "
                               f"(expected one of {sorted(HF_MODEL_TYPES)})")
         try:
-            eos = hf.get("eos_token_id")
-            if isinstance(eos, (list, tuple)):
-                eos_ids = tuple(eos)
-            else:
-                eos_ids = (eos,) if eos is not None else ()
             common = dict(vocab_size=int(hf["vocab_size"]),
                           intermediate_size=int(hf["intermediate_size"]),
                           bos_token_id=hf.get("bos_token_id"),
-                          eos_token_ids=tuple(int(e) for e in eos_ids))
+                          eos_token_ids=hf_eos_ids(hf))
             if arch == "ouro":
                 return cls._from_hf_ouro(hf, common)
             return cls._from_hf_raven(hf, common)

@@ -1,10 +1,10 @@
 """Looped (depth-recurrent) language models in Flax NNX: the family-independent machinery.
 
-A looped model reuses one block of layers R times. In LoopSpec's terms (see
-ALGORITHM_NOTES.md): a prelude P embeds the tokens, a recurrent block B advances the state by
-one loop, and a readout C turns the state at any depth 1..R into logits. `LoopedLM` is the
-base class; the families fill in P, B and C: `models.ouro.OuroLM` and `models.raven.RavenLM`
-(`models.build.build_looped(cfg)` picks the one that `cfg.family` names).
+A looped model reuses one block of layers R times. In LoopSpec's terms: a prelude P embeds
+the tokens, a recurrent block B advances the state by one loop, and a readout C turns the
+state at any depth 1..R into logits. `LoopedLM` is the base class; the families fill in P, B
+and C: `models.ouro.OuroLM` and `models.raven.RavenLM` (`models.build.build_looped(cfg)` picks
+the one that `cfg.family` names).
 
 The forward pass is exposed at three grains, all with explicit positions, mask and
 `attention_fn`, and none writing a cache itself (they return `NewKV`, as `Llama` does):

@@ -4,9 +4,10 @@ method, on SmolLM2-135M-Instruct and on the shipped tiny looped models, for a fe
 `tests/data/golden_ids.json` was recorded before the library's redesign (issue #16) and must
 stay equal after it: plain decoding, lookahead at two settings, prompt lookup, LoopSpec (with
 and without the dual proposal) and LoopAhead with a small drafter (weights in
-`tests/data/golden_drafter.safetensors`, so its drafts do not depend on initialisation order).
-Greedy outputs of lossless methods equal plain decoding's, so the ids pin the model and the
-plain decoder; the step counts pin each method's own algorithm (its pool, tree, schedule).
+`tests/data/golden_drafter_<preset>.safetensors`, so its drafts do not depend on
+initialisation order). Greedy outputs of lossless methods equal plain decoding's, so the ids
+pin the model and the plain decoder; the step counts pin each method's own algorithm (its
+pool, tree, schedule).
 
 Re-record (only when a change is meant to alter them, and say why in the commit):
     python tests/test_golden_ids.py --record

@@ -137,7 +137,7 @@ class LadDrafter:
     """A trained lookahead drafter ready for decoding: its graph, parameters, draft vocabulary
     and `draft_depth` (the loop whose states it drafts from: LoopAhead's r1). Load one with
     `LadDrafter.load` (a drafter file, or a `train_lad` workdir). Hashed by identity (a static
-    part of the method; the parameters travel as arrays through `LoopAhead.bundle_params`)."""
+    part of the method; the parameters travel as arrays through `LoopAhead.params()`)."""
 
     def __init__(self, model: LookaheadDrafter, draft_vocab: np.ndarray, *, draft_depth: int = 1):
         self.graphdef, params = nnx.split(model)

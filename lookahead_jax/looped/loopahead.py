@@ -4,7 +4,7 @@ decided by the full-depth readout alone (`--method=loopahead`, looped models). G
 sampling.
 
 Each step is one batched call of the shared block over the scheduled nodes of the tree
-(`loop_tree.loop_advance`), then:
+(`tree.loop_advance`), then:
 
 1. Verification and commit (possibly several tokens): while the root is at full depth R, its
    token is decided and emitted and its K/V committed; the child holding that token becomes
@@ -197,16 +197,13 @@ class LoopAhead(Method):
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, model, params, state: LoopAheadState, *, eos_ids) -> LoopAheadState:
-        """One LoopAhead step (see the module docstring). params: what `prepare` made (the
-        drafter's weights and the model's output embedding, None without a drafter)."""
-        drafter_params, out_embedding = params["drafter"], params["out_embedding"]
+        """One LoopAhead step (see the module docstring): schedule and advance the tree one
+        loop, then 1. verify and commit, 3. feedback at r2, 2. drafts at r1. params: what
+        `prepare` made (the drafter's weights and the model's output embedding)."""
         r_full = model.config.num_loops
-        greedy = self.sampling.greedy
         live = ~state.out.done
         tree = state.tree
-        b, c = tree.valid.shape
-        rows = jnp.arange(b)
-        slots = jnp.arange(c)
+        slots = jnp.arange(tree.capacity)
         key, k_verify, k_anchor, k_feedback = jax.random.split(state.key, 4)
 
         # schedule: valid, not suspended (paused itself or below a paused node), below R;
@@ -222,24 +219,49 @@ class LoopAhead(Method):
         tree, cache, logits, active = loop_advance(model, tree, state.cache, live, depths, run)
         top = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, C] at each node's depth
         # sampling: each node's warped distribution at its depth [B, C, V]
-        probs = None if greedy else jax.nn.softmax(self.sampling.log_probs(logits), axis=-1)
+        probs = (None if self.sampling.greedy
+                 else jax.nn.softmax(self.sampling.log_probs(logits), axis=-1))
         at_r1 = active & (tree.depth == self.r1)
-        h1 = jnp.where(at_r1[..., None], tree.h, state.h1)
-        native = jnp.where(at_r1, top, state.native)
-        paused = state.paused
-        ctx_h1, ctx_nat = state.ctx_h1, state.ctx_native
+        state = state.replace(h1=jnp.where(at_r1[..., None], tree.h, state.h1),
+                              native=jnp.where(at_r1, top, state.native))
 
-        # 1. verify and commit while the root is at full depth
-        out = state.out
+        state, tree, cache, counts = self._verify_and_commit(state, tree, cache, top, probs,
+                                                             k_verify, r_full, eos_ids)
+        at_r1 = at_r1 & tree.valid & ~tree.fresh
+        paused = state.paused
+        if self.r2 and self.scheduling:
+            tree, paused = self._feedback(tree, paused, active, top, probs, k_feedback)
+        tree = self._spawn_drafts(params, state, tree, cache, at_r1, probs, k_anchor, eos_ids)
+
+        live_i = live.astype(jnp.int32)
+        st = state.stats
+        verified, accepted, accepted_lad = counts
+        stats = LoopStats(st.loops + live_i, st.advances + active.sum(1, dtype=jnp.int32),
+                          st.verified + verified, st.accepted + accepted,
+                          st.accepted_second + accepted_lad)
+        return state.replace(cache=cache, tree=tree, paused=paused & tree.valid, key=key,
+                             steps=state.steps + 1, stats=stats)
+
+    def _verify_and_commit(self, state: LoopAheadState, tree: LoopTree, cache: KVCache, top,
+                           probs, key, r_full: int, eos_ids):
+        """1. While the root is at full depth R: decide its token (greedy: its argmax;
+        sampling: its children in cascade), emit it, commit its K/V and its depth-r1 context,
+        and make the child holding the token the root (else restart from the token). Up to
+        K + 2 tokens per step. Returns the state (out, paused, context updated), the tree,
+        the cache and per-row counts (verified, accepted, accepted drafter children)."""
+        b, c = tree.valid.shape
+        rows, slots = jnp.arange(b), jnp.arange(c)
+        out, paused = state.out, state.paused
+        ctx_h1, ctx_nat = state.ctx_h1, state.ctx_native
         verified = jnp.zeros((b,), jnp.int32)
         accepted = jnp.zeros((b,), jnp.int32)
         accepted_lad = jnp.zeros((b,), jnp.int32)
-        going = live
-        verify_keys = jax.random.split(k_verify, 2 * (self.K + 2))
+        going = ~out.done
+        verify_keys = jax.random.split(key, 2 * (self.K + 2))
         for it in range(self.K + 2):
             root = tree.root
             at_r = going & tree.valid[rows, root] & (tree.depth[rows, root] == r_full)
-            if greedy:
+            if self.sampling.greedy:
                 nxt = top[rows, root]
                 match = (tree.valid & (tree.parent == root[:, None])
                          & (tree.token == nxt[:, None]))
@@ -257,9 +279,9 @@ class LoopAhead(Method):
                 child = jnp.take_along_axis(slot, jnp.maximum(which, 0)[:, None], axis=1)[:, 0]
             cache_pos = cache.length
             ctx_h1 = ctx_h1.at[rows, jnp.where(at_r, cache_pos, ctx_h1.shape[1])].set(
-                h1[rows, root], mode="drop")
+                state.h1[rows, root], mode="drop")
             ctx_nat = ctx_nat.at[rows, jnp.where(at_r, cache_pos, ctx_nat.shape[1])].set(
-                native[rows, root], mode="drop")
+                state.native[rows, root], mode="drop")
             cache = commit_root(cache, tree, at_r)
             out, _ = out.emit(nxt[:, None], at_r.astype(jnp.int32), eos_ids)
             accepted_lad += (keep & (tree.kind[rows, child] == KIND_LAD)).astype(jnp.int32)
@@ -272,68 +294,69 @@ class LoopAhead(Method):
             verified += at_r.astype(jnp.int32)
             accepted += keep.astype(jnp.int32)
             going = keep & ~out.done
-        at_r1 = at_r1 & tree.valid & ~tree.fresh
+        state = state.replace(out=out, paused=paused, ctx_h1=ctx_h1, ctx_native=ctx_nat)
+        return state, tree, cache, (verified, accepted, accepted_lad)
 
-        # 3. feedback at r2: children unlikely to survive the full-depth verdict, judged by the
-        #    depth-r2 readout, pause (with their subtrees); the r2 proposal joins as a child
+    def _feedback(self, tree: LoopTree, paused, active, top, probs, key):
+        """3. Feedback at r2: children unlikely to survive the full-depth verdict, judged by
+        the depth-r2 readout, pause (with their subtrees); the r2 proposal joins as a child."""
+        b, c = tree.valid.shape
+        rows, slots = jnp.arange(b), jnp.arange(c)
+        at_r2 = active & tree.valid & ~tree.fresh & (tree.depth == self.r2)
+        kids = tree.valid[:, None, :] & (tree.parent[:, None, :] == slots[None, :, None])
+        if not self.sampling.greedy:
+            return self._feedback_sampling(tree, paused, probs, at_r2, kids.any(-1), key)
+        # greedy: pause every child but the r2 argmax; add the argmax when missing
+        par = jnp.maximum(tree.parent, 0)
+        conflict = (tree.valid & (tree.parent >= 0) & at_r2[rows[:, None], par]
+                    & (tree.token != top[rows[:, None], par]))
+        has_fb = (kids & (tree.token[:, None, :] == top[:, :, None])).any(-1)
+        tree, _ = tree.spawn(at_r2 & kids.any(-1) & ~has_fb, top,
+                             jnp.zeros((b, c, 1), jnp.float32), KIND_FEEDBACK)
+        return tree, paused | conflict
+
+    def _spawn_drafts(self, params, state: LoopAheadState, tree: LoopTree, cache: KVCache,
+                      at_r1, probs, key, eos_ids) -> LoopTree:
+        """2. Drafts at r1: the anchor (native proposal) for the nodes that just reached r1,
+        and the drafter's chain of K tokens below it (one node per row and step)."""
+        b, c = tree.valid.shape
+        rows, slots = jnp.arange(b), jnp.arange(c)
+        greedy = self.sampling.greedy
         q_none = jnp.zeros((b, c, 1), jnp.float32)
-        if self.r2 and self.scheduling:
-            at_r2 = active & tree.valid & ~tree.fresh & (tree.depth == self.r2)
-            kids = tree.valid[:, None, :] & (tree.parent[:, None, :] == slots[None, :, None])
-            if greedy:  # pause every child but the r2 argmax; add the argmax when missing
-                par = jnp.maximum(tree.parent, 0)
-                conflict = (tree.valid & (tree.parent >= 0) & at_r2[rows[:, None], par]
-                            & (tree.token != top[rows[:, None], par]))
-                paused = paused | conflict
-                has_fb = (kids & (tree.token[:, None, :] == top[:, :, None])).any(-1)
-                tree, _ = tree.spawn(at_r2 & kids.any(-1) & ~has_fb, top, q_none, KIND_FEEDBACK)
-            else:
-                tree, paused = self._feedback_sampling(tree, paused, probs, at_r2,
-                                                       kids.any(-1), k_feedback)
-
-        # 2. drafts at r1: the anchor (native proposal), and the drafter's chain below it
         kids = tree.valid[:, None, :] & (tree.parent[:, None, :] == slots[None, :, None])
         has_kid = kids.any(-1)
         if greedy:  # the anchor is the r1 argmax, added when no child holds it
-            anchor, q_anchor = native, q_none
-            has_anchor = (kids & (tree.token[:, None, :] == native[:, :, None])).any(-1)
+            anchor, q_anchor = state.native, q_none
+            has_anchor = (kids & (tree.token[:, None, :] == anchor[:, :, None])).any(-1)
             want_anchor = at_r1 & ~has_anchor
         else:  # drawn from what the r1 readout leaves after the node's existing children
             slot, has = self._children(tree)
             x, q = tree.token[rows[:, None, None], slot], tree.q[rows[:, None, None], slot]
             _, left, res = draft_chances(probs, q, x, has)
             q_anchor = res / jnp.maximum(res.sum(-1, keepdims=True), 1e-30)
-            anchor = jax.random.categorical(k_anchor, jnp.log(q_anchor), axis=-1)
-            anchor = anchor.astype(jnp.int32)
+            anchor = jax.random.categorical(key, jnp.log(q_anchor), axis=-1).astype(jnp.int32)
             want_anchor = at_r1 & (left > 0)
         if self.drafter is None:
-            tree, _ = tree.spawn(want_anchor, anchor, q_anchor, KIND_ANCHOR)
-        else:
-            lad_node = jnp.argmax(at_r1 & ~has_kid, axis=1).astype(jnp.int32)  # [B]
-            use_lad = (at_r1 & ~has_kid).any(1)
-            extra = request_tokens(state.prompt, out, eos_ids)
-            lad = jax.lax.cond(  # the drafter runs only in steps where a row needs it
-                use_lad.any(),
-                lambda: self._draft(drafter_params, tree, cache, h1, native, ctx_h1, ctx_nat,
-                                    lad_node, anchor[rows, lad_node], extra, out_embedding),
-                lambda: jnp.zeros((b, self.K), jnp.int32))  # [B, K]
-            tree, child = tree.spawn(want_anchor, anchor, q_anchor, KIND_ANCHOR)
-            last = jnp.where(use_lad, child[rows, lad_node], -1)
-            for k in range(self.K):
-                want = (slots[None] == last[:, None]) & (last >= 0)[:, None]
-                tok = jnp.broadcast_to(lad[:, k:k + 1], (b, c))
-                # sampling: a drafted token is a deterministic proposal, q = one-hot
-                q_lad = q_none if greedy else jax.nn.one_hot(tok, tree.q.shape[-1])
-                tree, child = tree.spawn(want, tok, q_lad, KIND_LAD)
-                last = jnp.where(last >= 0, child[rows, jnp.maximum(last, 0)], -1)
-
-        live_i = live.astype(jnp.int32)
-        st = state.stats
-        stats = LoopStats(st.loops + live_i, st.advances + active.sum(1, dtype=jnp.int32),
-                          st.verified + verified, st.accepted + accepted,
-                          st.accepted_second + accepted_lad)
-        return LoopAheadState(cache, out, tree, paused & tree.valid, h1, native, ctx_h1,
-                              ctx_nat, state.prompt, key, state.steps + 1, stats)
+            return tree.spawn(want_anchor, anchor, q_anchor, KIND_ANCHOR)[0]
+        lad_node = jnp.argmax(at_r1 & ~has_kid, axis=1).astype(jnp.int32)  # [B]
+        use_lad = (at_r1 & ~has_kid).any(1)
+        extra = request_tokens(state.prompt, state.out, eos_ids)
+        lad = jax.lax.cond(  # the drafter runs only in steps where a row needs it
+            use_lad.any(),
+            lambda: self._draft(params["drafter"], tree, cache, state.h1, state.native,
+                                state.ctx_h1, state.ctx_native, lad_node,
+                                anchor[rows, lad_node], extra, params["out_embedding"]),
+            lambda: jnp.zeros((b, self.K), jnp.int32))  # [B, K]
+        tree, child = tree.spawn(want_anchor, anchor, q_anchor, KIND_ANCHOR)
+        last = jnp.where(use_lad, child[rows, lad_node], -1)
+        for k in range(self.K):
+            want = (slots[None] == last[:, None]) & (last >= 0)[:, None]
+            tok = jnp.broadcast_to(lad[:, k:k + 1], (b, c))
+            # sampling: a drafted token is a deterministic proposal, q = one-hot
+            q_lad = q_none if greedy else jax.nn.one_hot(tok, tree.q.shape[-1])
+            tree, child = tree.spawn(want, tok, q_lad, KIND_LAD)
+            last = jnp.where(last >= 0, child[rows, jnp.maximum(last, 0)], -1)
+        return tree
 
     @staticmethod
     def _children(tree: LoopTree) -> tuple[jax.Array, jax.Array]:

@@ -88,6 +88,29 @@ def check_scratch_room(cache: KVCache, prompt_bucket: int, max_new_tokens: int,
                           f"but the cache of {cache.max_len} leaves {room}: raise cache_len")
 
 
+def second_drafts(tree: LoopTree, at_d2: jax.Array, top: jax.Array, q: jax.Array,
+                  sampling: Sampling, key: jax.Array):
+    """The dual proposal for the nodes that just reached d2 (at_d2 [B, C]), beside their first
+    child x1: greedy, the depth-d2 argmax `top` [B, C] when it differs from x1; sampling, a
+    token from q2 = normalize(max(p_d2 - q1, 0)) when p_d2(x1) < q1(x1), q [B, C, V] the
+    depth-d2 distribution. Returns (which nodes draft [B, C], tokens [B, C], their q)."""
+    c = tree.capacity
+    first = (tree.valid[:, None, :] & (tree.parent[:, None, :] == jnp.arange(c)[None, :, None])
+             & (tree.kind[:, None, :] == 1))  # [B, C(node), C(child)]
+    has1 = first.any(2)
+    slot1 = jnp.argmax(first, axis=2)
+    x1 = jnp.take_along_axis(tree.token, slot1, axis=1)  # [B, C]
+    if sampling.greedy:
+        return at_d2 & has1 & (top != x1), top, q
+    q1 = jnp.take_along_axis(tree.q, slot1[..., None], axis=1)  # [B, C, V]
+    p_x1 = jnp.take_along_axis(q, x1[..., None], axis=2)[..., 0]
+    q1_x1 = jnp.take_along_axis(q1, x1[..., None], axis=2)[..., 0]
+    q2 = jnp.maximum(q - q1, 0.0)
+    q2 = q2 / jnp.maximum(q2.sum(-1, keepdims=True), 1e-30)
+    draft2 = jax.random.categorical(key, jnp.log(q2), axis=-1).astype(jnp.int32)
+    return at_d2 & has1 & (p_x1 < q1_x1), draft2, q2
+
+
 def loopspec_step(model, state: LoopSpecState, *, d1: int, d2: int, sampling: Sampling,
                   eos_ids: tuple[int, ...], verifier: DraftVerifier = verify_drafts
                   ) -> LoopSpecState:
@@ -142,22 +165,8 @@ def loopspec_step(model, state: LoopSpecState, *, d1: int, d2: int, sampling: Sa
         draft = jax.random.categorical(k_draft, jnp.log(q), axis=-1).astype(jnp.int32)
     kind = jnp.ones((b, c), jnp.int32)
     if d2:  # nodes that just reached d2 may draft a second child next to their first
-        first = (tree.valid[:, None, :] & (tree.parent[:, None, :] == jnp.arange(c)[None, :, None])
-                 & (tree.kind[:, None, :] == 1))  # [B, C(node), C(child)]
-        has1 = first.any(2)
-        slot1 = jnp.argmax(first, axis=2)
-        x1 = jnp.take_along_axis(tree.token, slot1, axis=1)  # [B, C]
-        if sampling.greedy:
-            want2 = reached & (tree.depth == d2) & has1 & (draft != x1)
-            draft2, q2 = draft, q
-        else:
-            q1 = jnp.take_along_axis(tree.q, slot1[..., None], axis=1)  # [B, C, V]
-            p_x1 = jnp.take_along_axis(q, x1[..., None], axis=2)[..., 0]
-            q1_x1 = jnp.take_along_axis(q1, x1[..., None], axis=2)[..., 0]
-            want2 = reached & (tree.depth == d2) & has1 & (p_x1 < q1_x1)
-            q2 = jnp.maximum(q - q1, 0.0)
-            q2 = q2 / jnp.maximum(q2.sum(-1, keepdims=True), 1e-30)
-            draft2 = jax.random.categorical(k_draft2, jnp.log(q2), axis=-1).astype(jnp.int32)
+        want2, draft2, q2 = second_drafts(tree, reached & (tree.depth == d2), draft, q,
+                                          sampling, k_draft2)
         want = want | want2
         draft = jnp.where(want2, draft2, draft)
         q = jnp.where(want2[..., None], q2, q)
