@@ -362,7 +362,8 @@ def test_seeds(engine, method):
     """The same seed gives the same samples; another seed, other samples; the rows of a batch
     (copies of one prompt) draw independently."""
     def gen(seed):
-        return engine.generate_ids([PROMPT] * 8, method=method, lookahead=CFG,
+        return engine.generate_ids([PROMPT] * 8, method=method,
+                                   lookahead=CFG if method == "lookahead" else None,
                                    sampling=SETTINGS["t1"], max_new_tokens=12, seed=seed).tokens
 
     first = gen(0)

@@ -24,12 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from typing import TYPE_CHECKING
-
 import numpy as np
-
-if TYPE_CHECKING:  # config.py imports this module for `tokens_per_step`
-    from lookahead_jax.lookahead.config import LookaheadConfig
 
 
 def tokens_per_step(W: int, N: int, G: int, devices: int = 1) -> int:
@@ -48,7 +43,9 @@ class StepLayout:
     G: int
 
     @classmethod
-    def of(cls, cfg: LookaheadConfig) -> "StepLayout":
+    def of(cls, cfg) -> "StepLayout":
+        """The layout of a `LookaheadConfig` (anything with W, N, G; config.py imports this
+        module, so the type is not imported here)."""
         return cls(cfg.W, cfg.N, cfg.G)
 
     @property
