@@ -123,18 +123,14 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_the_checker_finds_a_cycle_and_a_forbidden_import():
+def test_the_checker_finds_a_cycle_and_a_forbidden_import(tmp_path):
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
     src = ("import os\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x\n"
            "def f():\n    import train_lad.train\n")
-    path = os.path.join(REPO, "tests", "_import_probe.py")
-    try:
-        with open(path, "w") as f:
-            f.write(src)
-        assert imports_of(path) == [("os", False), ("typing", False), ("train_lad.train", True)]
-    finally:
-        os.remove(path)
+    path = tmp_path / "probe.py"
+    path.write_text(src)
+    assert imports_of(str(path)) == [("os", False), ("typing", False), ("train_lad.train", True)]
 
 
 def test_no_import_cycles():
