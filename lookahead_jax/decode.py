@@ -31,7 +31,7 @@ from typing import Sequence, TextIO
 import jax
 from absl import app, flags, logging
 
-from lookahead_jax.engine import Engine
+from lookahead_jax.engine import Engine, preset_devices
 from lookahead_jax.prompts import parse_prompt_ids, read_prompt_file
 from lookahead_jax.registry import LOOPED_METHODS, METHODS, build_method
 from lookahead_jax.sampling import Sampling
@@ -133,15 +133,15 @@ def method_name(opts: Options, preset) -> str:
 
 
 def build_cli_method(opts: Options, preset, sampling: Sampling, model_config=None):
-    """The registry's method for the flags (before any weights load: against the preset's
-    model shape; after, against the loaded model's)."""
+    """The registry's method for the flags, checked against `model_config` (default: the
+    preset's model shape, so bad settings fail before any weights load)."""
     name = method_name(opts, preset)
     if name in LOOPED_METHODS and not isinstance(preset.model, LoopedConfig):
         raise ConfigError(f"--method={name} needs a looped model: preset {preset.name} is not "
                           f"one (use a looped preset, e.g. --config=tiny_ouro)")
     devices = opts.devices
     if devices is None and name == "lookahead":
-        devices = len(jax.local_devices()) if preset.parallel else 1
+        devices = preset_devices(preset)
     settings = dict(W=opts.W, N=opts.N, G=opts.G, prompt_seeding=opts.prompt_seeding,
                     pl_tokens=opts.pl_tokens, pl_ngram=opts.pl_ngram, lad=opts.lad,
                     attention=opts.attention, devices=devices)
@@ -219,7 +219,10 @@ def _run(opts: Options, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
     engine = Engine(model, tokenizer, lookahead=getattr(method, "config", None), chat=chat,
                     cache_len=opts.cache_len, attention=opts.attention or "dense",
                     devices=getattr(method, "devices", 1))
-    method = build_cli_method(opts, preset, sampling, model.config)  # the loaded model's shape
+    if preset.model is None:  # the method could only be checked against the loaded model
+        method = build_cli_method(opts, preset, sampling, model.config)
+    else:  # the loaded shape equals the preset's (checked at load); its positions may differ
+        method.check(model.config)
     auto_choice = None
     if opts.auto:
         auto_choice = _auto_settings(opts, engine, texts, ids, chat, stderr)

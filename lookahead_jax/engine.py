@@ -92,6 +92,12 @@ _init_jit = jax.jit(_init_fn, static_argnums=(0, 1, 2, 3), donate_argnums=(7,))
 _run_jit = jax.jit(_run_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
 
+def preset_devices(preset) -> int:
+    """Lookahead parallelism's default for a preset: all local devices where the preset enables
+    it (`Preset.parallel`), else 1."""
+    return len(jax.local_devices()) if preset.parallel else 1
+
+
 class Engine:
     """A loaded model (and optionally its tokenizer) ready to generate."""
 
@@ -121,9 +127,8 @@ class Engine:
         devices for presets with `parallel`, else 1)."""
         preset = load_preset(name)
         model, tokenizer, _ = load_model_and_tokenizer(preset, ckpt, dtype)
-        kw = {"lookahead": preset.lookahead, "chat": preset.chat, **kw}
-        if preset.parallel and "devices" not in kw:
-            kw["devices"] = len(jax.local_devices())
+        kw = {"lookahead": preset.lookahead, "chat": preset.chat,
+              "devices": preset_devices(preset), **kw}
         return cls(model, tokenizer, **kw)
 
     def build_method(self, name: str | None = None, sampling: Sampling | None = None,

@@ -35,7 +35,6 @@ from flax import nnx, struct
 
 from lookahead_jax.generation import Output
 from lookahead_jax.method import First, Method
-from lookahead_jax.sampling import Sampling
 from lookahead_jax.lookahead.verify import verify_greedy, verify_sampling
 from models.config import ConfigError
 from models.kv_cache import KVCache

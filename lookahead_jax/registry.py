@@ -25,6 +25,7 @@ method needs a looped model, depths below its loops; a drafter must fit the mode
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from lookahead_jax.lookahead.config import LookaheadConfig
@@ -113,8 +114,8 @@ def _lookahead(sampling: Sampling, given: dict[str, Any]) -> Method:
 
 def _loopahead(sampling: Sampling, given: dict[str, Any], model_config) -> Method:
     lad = given.pop("lad", None)
-    drafter = lad if lad is None or isinstance(lad, LadDrafter) or hasattr(lad, "draft") \
-        else LadDrafter.load(lad, model_config)
+    # a path (drafter file or train_lad workdir) is loaded; a drafter object is used as given
+    drafter = LadDrafter.load(lad, model_config) if isinstance(lad, (str, os.PathLike)) else lad
     depth = getattr(drafter, "draft_depth", None)
     r1 = given.pop("r1", depth or 1)
     if "r2" not in given:

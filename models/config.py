@@ -15,6 +15,15 @@ class ConfigError(ValueError):
     """A model or decoding configuration that cannot work; the message says why."""
 
 
+def check_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Grouped-query attention needs whole groups; RoPE needs an even head size."""
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"model config: num_heads ({num_heads}) must be a multiple of "
+                          f"num_kv_heads ({num_kv_heads})")
+    if head_dim % 2:
+        raise ConfigError(f"model config: head_dim must be even for RoPE, got {head_dim}")
+
+
 def hf_eos_ids(hf: Mapping[str, Any], default: int | None = None) -> tuple[int, ...]:
     """A Hugging Face config.json's `eos_token_id` (an id, a list of ids, or absent: `default`)
     -> a tuple of ids."""
@@ -61,12 +70,7 @@ class LlamaConfig:
                      "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model config: {name} must be positive, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                f"({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ConfigError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+        check_heads(self.num_heads, self.num_kv_heads, self.head_dim)
         if self.rope_scaling is not None and self.rope_scaling.rope_type not in ("llama3", "linear"):
             raise ConfigError(f"model config: unsupported rope_scaling type {self.rope_scaling.rope_type!r}")
 
@@ -201,12 +205,7 @@ class LoopedConfig:
                                       f"{getattr(self, name)}); num_layers is its shared stack")
             if self.qk_bias:
                 raise ConfigError("model config: ouro has no qk_bias")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                f"({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ConfigError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+        check_heads(self.num_heads, self.num_kv_heads, self.head_dim)
         if self.rope_scaling is not None:
             raise ConfigError("model config: looped models support plain RoPE only")
 

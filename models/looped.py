@@ -274,6 +274,24 @@ class LoopedLM(nnx.Module):
         return write_slots(cache, new, jnp.zeros_like(src), src, dst)
 
     # -- whole depth ----------------------------------------------------------------------------
+    def loop_states(self, tokens: jax.Array, positions: jax.Array,
+                    mask: jax.Array | None = None, cache: KVCache | None = None,
+                    attention_fn: AttentionFn = dot_product_attention, seed: Seed = None,
+                    loops: int | None = None) -> tuple[NewKV | None, list[tuple[jax.Array, NewKV]]]:
+        """Every token through the prelude and `loops` loops (default all R), no readout: the
+        prelude's K/V (None: ouro) and, for each loop r = 1..loops, the state after it [B,T,E]
+        with that loop's K/V. The readouts are the caller's (`forward_all_depths` reads out
+        every depth; the looped methods' prefill only the depths they use). mask as in
+        `forward_all_depths`."""
+        mask = default_mask(mask, positions)
+        e, pre_kv = self.embed(tokens, positions, mask, cache, attention_fn)
+        h = self.initial_state(e, positions, seed)
+        states = []
+        for r in range(self.config.num_loops if loops is None else loops):
+            h, kv = self.advance(h, e, r, positions, mask, cache, attention_fn)
+            states.append((h, kv))
+        return pre_kv, states
+
     def forward_all_depths(self, tokens: jax.Array, positions: jax.Array,
                            mask: jax.Array | None = None, cache: KVCache | None = None,
                            attention_fn: AttentionFn = dot_product_attention, seed: Seed = None
@@ -287,11 +305,9 @@ class LoopedLM(nnx.Module):
         with `KVCache.write` / `append`.
         """
         mask = default_mask(mask, positions)
-        e, pre_kv = self.embed(tokens, positions, mask, cache, attention_fn)
-        h = self.initial_state(e, positions, seed)
+        pre_kv, states = self.loop_states(tokens, positions, mask, cache, attention_fn, seed)
         logits, gates, loop_kv, coda_kv = [], [], [], []
-        for r in range(self.config.num_loops):
-            h, kv = self.advance(h, e, r, positions, mask, cache, attention_fn)
+        for r, (h, kv) in enumerate(states):
             loop_kv.append(kv)
             lg, ckv = self.readout(h, r + 1, positions, mask, cache, attention_fn)
             logits.append(lg)

@@ -23,9 +23,8 @@ from flax import nnx
 from lookahead_jax.lookahead.config import LookaheadConfig
 from lookahead_jax.engine import Engine
 from lookahead_jax.generation import cache_length_for, pad_prompts
-from lookahead_jax.sampling import Sampling
 from lookahead_jax.lookahead.step import Lookahead
-from lookahead_jax.lookahead.verify import Verdict, verify_greedy
+from lookahead_jax.lookahead.verify import verify_greedy
 from models import KVCache, Llama, LlamaConfig
 
 V = 80

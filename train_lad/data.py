@@ -113,10 +113,8 @@ def early_states(model, tokens: jax.Array, depth: int) -> tuple[jax.Array, jax.A
     """tokens [B,T] -> states at loop `depth` [B,T,E] and the readout's argmax there [B,T]
     (cache-free, causal)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    e, _ = model.embed(tokens, positions)
-    h = model.initial_state(e, positions)
-    for r in range(depth):
-        h, _ = model.advance(h, e, r, positions)
+    _, states = model.loop_states(tokens, positions, loops=depth)
+    h = states[-1][0]
     logits, _ = model.readout(h, depth, positions)
     return h, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 

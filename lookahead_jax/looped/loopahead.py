@@ -58,15 +58,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx, struct
+from flax import struct
 
 from lookahead_jax.generation import Output
 from lookahead_jax.looped.drafter import output_embedding
-from lookahead_jax.looped.loopspec import LoopStats, check_looped, check_scratch_room, loop_summary
+from lookahead_jax.looped.tree_method import LoopStats, TreeMethod, loop_summary
 from lookahead_jax.looped.spec_sampling import DraftVerifier, draft_chances, verify_drafts
 from lookahead_jax.looped.tree import LoopTree, commit_root, loop_advance, prefill_all_depths
-from lookahead_jax.method import First, Method
+from lookahead_jax.method import First
 from models.config import ConfigError
 from models.kv_cache import KVCache
 
@@ -105,7 +104,7 @@ class LoopAheadState:
 
 
 @dataclasses.dataclass(frozen=True)
-class LoopAhead(Method):
+class LoopAhead(TreeMethod):
     """LoopAhead decoding, greedy or sampling. r1: draft depth (native proposals and LAD; a
     drafter's states come from its own `draft_depth`, which r1 must equal); r2: feedback depth
     (0: off); drafter: a `LadDrafter` (None: native proposals only, the "drafter off"
@@ -143,15 +142,8 @@ class LoopAhead(Method):
     def tree_capacity(self, num_loops: int) -> int:
         return self.capacity or (self.K + 2) * 2 + num_loops // self.r1 + 2
 
-    def cache_capacity(self, model_config) -> int:
-        check_looped(model_config)
-        return self.tree_capacity(model_config.num_loops)  # the tree's scratch positions
-
-    def check(self, model_config) -> None:
-        check_looped(model_config)
-        if max(self.r1, self.r2) >= model_config.num_loops:
-            raise ConfigError(f"loopahead: r1 ({self.r1}) and r2 ({self.r2}) must be below the "
-                              f"model's {model_config.num_loops} loops")
+    def depths(self) -> dict[str, int]:
+        return {"r1": self.r1, "r2": self.r2}
 
     def params(self):
         return self.drafter.params if self.drafter is not None else {}
@@ -167,12 +159,10 @@ class LoopAhead(Method):
         as the drafter's committed context."""
         cfg = model.config
         tokens, lengths = first.tokens, first.lengths
-        capacity = self.tree_capacity(cfg.num_loops)
-        check_scratch_room(first.cache, tokens.shape[1], first.out.tokens.shape[1], capacity)
+        tree = self.new_tree(model, first)
+        capacity = tree.capacity
         h1, nat = first.aux
         b, p = tokens.shape
-        tree = LoopTree.init(first.token, lengths.astype(jnp.int32), capacity, cfg.hidden_size,
-                             model.dtype, 1 if self.sampling.greedy else cfg.vocab_size)
         s = first.cache.max_len
         ctx_h1 = jnp.zeros((b, s, cfg.hidden_size), h1.dtype).at[:, :p].set(h1)
         ctx_nat = jnp.zeros((b, s), jnp.int32).at[:, :p].set(nat)

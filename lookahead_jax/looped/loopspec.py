@@ -32,34 +32,19 @@ decoding spends R of each per token.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx, struct
+from flax import struct
 
 from lookahead_jax.generation import Output
-from lookahead_jax.method import First, Method
+from lookahead_jax.method import First
 from lookahead_jax.looped.tree import LoopTree, commit_root, loop_advance, prefill_all_depths
 from lookahead_jax.looped.spec_sampling import DraftVerifier, verify_drafts
+from lookahead_jax.looped.tree_method import LoopStats, TreeMethod, loop_summary
 from lookahead_jax.sampling import Sampling
 from models.config import ConfigError
 from models.kv_cache import KVCache
-
-@struct.dataclass
-class LoopStats:
-    loops: jax.Array  # [B] int32, shared-block calls while the row was live
-    advances: jax.Array  # [B] int32, node-loops (candidate advances) of the row
-    verified: jax.Array  # [B] int32, full-depth verifications (= tokens emitted after the first)
-    accepted: jax.Array  # [B] int32, drafted children that survived verification
-    accepted_second: jax.Array  # [B] int32, of which second (d2) / drafter (LoopAhead) drafts
-
-    @classmethod
-    def zeros(cls, b: int) -> "LoopStats":
-        z = jnp.zeros((b,), jnp.int32)
-        return cls(z, z, z, z, z)
-
 
 @struct.dataclass
 class LoopSpecState:
@@ -69,23 +54,6 @@ class LoopSpecState:
     key: jax.Array
     steps: jax.Array  # [] int32: shared-block calls (batched steps), the prefill counted as one
     stats: LoopStats
-
-
-def check_looped(model_config) -> None:
-    if not hasattr(model_config, "num_loops"):
-        raise ConfigError("loopspec / loopahead need a looped model (an Ouro or Raven preset, "
-                          "e.g. --config=tiny_ouro); this model is not looped")
-
-
-def check_scratch_room(cache: KVCache, prompt_bucket: int, max_new_tokens: int,
-                       capacity: int) -> None:
-    """The tree's scratch positions (the last `capacity` of the cache) must lie beyond every
-    position a committed token can take."""
-    room = cache.max_len - prompt_bucket - max_new_tokens
-    if capacity > room:
-        raise ConfigError(f"the candidate tree needs {capacity} scratch positions after the "
-                          f"prompt (padded to {prompt_bucket}) and {max_new_tokens} new tokens, "
-                          f"but the cache of {cache.max_len} leaves {room}: raise cache_len")
 
 
 def second_drafts(tree: LoopTree, at_d2: jax.Array, top: jax.Array, q: jax.Array,
@@ -182,23 +150,8 @@ def loopspec_step(model, state: LoopSpecState, *, d1: int, d2: int, sampling: Sa
     return LoopSpecState(cache, out, tree, key, state.steps + 1, stats)
 
 
-def loop_summary(stats: LoopStats, num_loops: int | None = None) -> dict:
-    """Host side: loops and candidate advances per output token (the first token, from the
-    prefill, not counted), and the share of verifications that kept the drafted child."""
-    loops, adv = int(np.sum(stats.loops)), int(np.sum(stats.advances))
-    ver, acc = int(np.sum(stats.verified)), int(np.sum(stats.accepted))
-    d = {"loops": loops, "advances": adv, "verified_tokens": ver,
-         "loops_per_token": loops / ver if ver else float("nan"),
-         "advances_per_token": adv / ver if ver else float("nan"),
-         "draft_acceptance": acc / ver if ver else float("nan"),
-         "second_draft_accepted": int(np.sum(stats.accepted_second))}
-    if num_loops is not None:
-        d["plain_loops_per_token"] = num_loops
-    return d
-
-
 @dataclasses.dataclass(frozen=True)
-class LoopSpec(Method):
+class LoopSpec(TreeMethod):
     """LoopSpec (`--method=loopspec`): draft from the depth-d1 readout, start the child at
     once, verify at full depth; d2 > d1 adds the dual proposal at depth d2 (0: off).
     capacity: tree nodes per row (0: R // d1 + 1, the longest chain; twice that with d2).
@@ -223,15 +176,8 @@ class LoopSpec(Method):
     def tree_capacity(self, num_loops: int) -> int:
         return self.capacity or (num_loops // self.d1 + 1) * (2 if self.d2 else 1)
 
-    def cache_capacity(self, model_config) -> int:
-        check_looped(model_config)
-        return self.tree_capacity(model_config.num_loops)  # the tree's scratch positions
-
-    def check(self, model_config) -> None:
-        check_looped(model_config)
-        if max(self.d1, self.d2) >= model_config.num_loops:
-            raise ConfigError(f"loopspec: d1 ({self.d1}) and d2 ({self.d2}) must be below the "
-                              f"model's {model_config.num_loops} loops")
+    def depths(self) -> dict[str, int]:
+        return {"d1": self.d1, "d2": self.d2}
 
     def prefill(self, model, tokens, lengths, cache):
         logits, cache = prefill_all_depths(model, tokens, lengths, cache,
@@ -240,14 +186,8 @@ class LoopSpec(Method):
 
     def start(self, model, params, first: First) -> LoopSpecState:
         """A one-node tree per row: the first token at its position, depth 0."""
-        cfg = model.config
-        capacity = self.tree_capacity(cfg.num_loops)
-        check_scratch_room(first.cache, first.tokens.shape[1], first.out.tokens.shape[1],
-                           capacity)
-        q_size = 1 if self.sampling.greedy else cfg.vocab_size
-        tree = LoopTree.init(first.token, first.lengths.astype(jnp.int32), capacity,
-                             cfg.hidden_size, model.dtype, q_size)
-        return LoopSpecState(first.cache, first.out, tree, first.key, jnp.ones((), jnp.int32),
+        return LoopSpecState(first.cache, first.out, self.new_tree(model, first), first.key,
+                             jnp.ones((), jnp.int32),
                              LoopStats.zeros(first.tokens.shape[0]))
 
     def step(self, model, params, state: LoopSpecState, *, eos_ids) -> LoopSpecState:

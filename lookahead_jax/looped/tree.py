@@ -185,12 +185,10 @@ def prefill_all_depths(model, tokens: jax.Array, lengths: jax.Array, cache: KVCa
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
     mask = causal_mask(lengths, p, cache)
     last = (lengths - 1).astype(jnp.int32)[:, None]
-    e, pre_kv = model.embed(tokens, positions, mask, cache)
-    h = model.initial_state(e, positions)
+    pre_kv, states = model.loop_states(tokens, positions, mask, cache)
     loop_kv, coda_kv = [], {}
     logits = None
-    for r in range(r_full):
-        h, kv = model.advance(h, e, r, positions, mask, cache)
+    for r, (h, kv) in enumerate(states):
         loop_kv.append(kv)
         if r + 1 == keep_depth:
             kept = h
