@@ -3,7 +3,9 @@
   dense   the dense reference (`dense_attention`): any platform.
   pallas  the block-sparse Pallas kernel (`lookahead_attention.py`): Triton on GPU, Mosaic on
           TPU. Elsewhere it raises `KernelUnavailable`, unless `interpret=True` (the kernel
-          run by the Pallas interpreter: slow, any platform, what the tests use).
+          run by the Pallas interpreter: slow, any platform, what the tests use on CPU), or
+          the platform is named (`select_attention('pallas', 'cuda')`): a kernel built for
+          that platform, to lower or export for it from this host.
   auto    the kernel where the platform has one (GPU, TPU), dense otherwise.
 
 An attention function has the model's signature `fn(q, k, v, mask)`. Only the lookahead step
@@ -28,10 +30,16 @@ def select_attention(name: str, platform: str | None = None, *, interpret: bool 
     """'dense' | 'pallas' | 'auto' -> an attention function fn(q, k, v, mask).
 
     platform: a jax platform name ('cpu', 'gpu', 'cuda', 'rocm', 'tpu'); default: jax's
-    default backend. interpret: run the kernel in the Pallas interpreter (any platform).
+    default backend. A platform given is passed on to the compiled kernel, which is then built
+    for it whatever this host is: `select_attention('pallas', 'cuda')` on a CPU host traces
+    (lowers, exports) for a GPU but cannot run here; `select_attention('pallas')` raises
+    `KernelUnavailable` on a host without a GPU or TPU.
+    interpret: run the kernel in the Pallas interpreter (any platform; the platform then only
+    picks the kernel: Mosaic for 'tpu', else Triton).
     """
     if name not in ATTENTION_NAMES:
         raise ConfigError(f"attention must be one of {ATTENTION_NAMES}, got {name!r}")
+    given = platform
     platform = platform or jax.default_backend()
     backend = KERNEL_BACKENDS.get(platform)
     if name == "dense" or (name == "auto" and backend is None):
@@ -44,7 +52,8 @@ def select_attention(name: str, platform: str | None = None, *, interpret: bool 
                 f"mode, for testing)")
         backend = "triton"
     from pallas_kernels.lookahead_attention import PallasAttention  # noqa: PLC0415
-    return PallasAttention(backend, interpret=interpret, block_q=block_q, block_k=block_k)
+    return PallasAttention(backend, interpret=interpret, block_q=block_q, block_k=block_k,
+                           platform=None if interpret else given)
 
 
 def resolve_attention(attention: Any):

@@ -56,7 +56,7 @@ def define_flags() -> None:
                       "platform (to test this script without a GPU; the times mean nothing).")
 
 
-def _time(fn, args, iters: int, repeats: int) -> float:
+def time_call(fn, args, iters: int, repeats: int) -> float:
     """Median seconds per call of a compiled fn."""
     jax.block_until_ready(fn(*args))
     runs = []
@@ -110,7 +110,7 @@ def run_bench(f) -> dict:
             for name, fn in (("kernel", kernel), ("dense", dense), ("jax_xla", jax_nn("xla")),
                              ("jax_cudnn", jax_nn("cudnn"))):
                 try:
-                    row[f"{name}_us"] = 1e6 * _time(fn, (q, k, v, mask), f.iters, f.repeats)
+                    row[f"{name}_us"] = 1e6 * time_call(fn, (q, k, v, mask), f.iters, f.repeats)
                 except Exception as e:  # noqa: BLE001 (cuDNN may refuse a mask or a shape)
                     row[f"{name}_us"] = None
                     row[f"{name}_error"] = " ".join(str(e).split())[:200]

@@ -22,7 +22,9 @@ Which tiles are computed:
        repeats the previous block, so the pipeline issues no copy for it either.
 
 Both run under the Pallas interpreter (`interpret=True`), on any platform; compiled, each needs
-its platform and raises `KernelUnavailable` elsewhere.
+its platform and raises `KernelUnavailable` elsewhere. The platform a compiled kernel is for is
+jax's default backend unless given (`platform=`): naming another one ('cuda', 'tpu') on a host
+without it only makes sense to lower the kernel for that platform (`jax.export`), not to run it.
 """
 
 from __future__ import annotations
@@ -37,19 +39,27 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from models.layers import dot_product_attention
-from pallas_kernels.platform import KernelUnavailable
+from pallas_kernels.platform import KERNEL_BACKENDS, KernelUnavailable
 from pallas_kernels.block_map import BlockMap, cdiv
 from lookahead_jax.lookahead.mask import StepMask
 
 BACKENDS = ("triton", "mosaic_tpu")
-PLATFORM_OF = {"triton": ("gpu",), "mosaic_tpu": ("tpu",)}
+# kernel backend -> the jax platform names it compiles for ('gpu' is jax's default backend on an
+# NVIDIA or AMD GPU; 'cuda' and 'rocm' are the names `jax.export` lowers for)
+PLATFORM_OF = {b: tuple(p for p, kb in KERNEL_BACKENDS.items() if kb == b) for b in BACKENDS}
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf
 LANES = 128  # TPU lane width: m and l are kept replicated across one lane tile
 
 
-def current_platform() -> str:
-    """The platform a compiled kernel would run on (a seam for lowering tests)."""
-    return jax.default_backend()
+def check_platform(backend: str, platform: str | None = None) -> None:
+    """Raises `KernelUnavailable` unless the compiled `backend` kernel is for `platform`
+    (default: jax's default backend)."""
+    platform = platform or jax.default_backend()
+    if platform not in PLATFORM_OF[backend]:
+        raise KernelUnavailable(
+            f"the {backend} lookahead attention kernel needs platform "
+            f"{'/'.join(PLATFORM_OF[backend])}, this is {platform!r}: use the dense attention, "
+            f"or interpret=True")
 
 
 def default_blocks(backend: str, rows: int) -> tuple[int, int]:
@@ -261,7 +271,8 @@ def _lay_out_keys(x, cache_size: int, cache_padded: int, step_padded: int):
 
 def lookahead_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: StepMask, *,
                         backend: str = "triton", interpret=False,
-                        block_q: int | None = None, block_k: int | None = None) -> jax.Array:
+                        block_q: int | None = None, block_k: int | None = None,
+                        platform: str | None = None) -> jax.Array:
     """Attention of one lookahead step, computing only tiles with a visible key.
 
     q [B,T,H,D]; k/v [B,S+T,Hkv,D] (the cache's S slots, then the step's T tokens); mask a
@@ -269,16 +280,17 @@ def lookahead_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: StepMask
     backend: 'triton' (GPU) or 'mosaic_tpu' (TPU). interpret: run in the Pallas interpreter
     (True; or, for the TPU kernel, `pltpu.InterpretParams(...)`: the TPU interpreter).
     block_q counts query rows (token x head of a K/V group), block_k keys.
+    platform: the jax platform the compiled kernel is for (default: jax's default backend);
+    another one ('cuda', 'tpu') only to lower for it, e.g. `jax.export(..., platforms=[...])`
+    on a host without it. Compiled, a kernel off its platform raises `KernelUnavailable`;
+    interpreted, the platform is not used.
     """
     if not isinstance(mask, StepMask):
         raise TypeError(f"lookahead_attention needs a StepMask, got {type(mask).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}: expected one of {BACKENDS}")
-    if not interpret and current_platform() not in PLATFORM_OF[backend]:
-        raise KernelUnavailable(
-            f"the {backend} lookahead attention kernel needs platform "
-            f"{'/'.join(PLATFORM_OF[backend])}, this is {current_platform()!r}: use the dense "
-            f"attention, or interpret=True")
+    if not interpret:
+        check_platform(backend, platform)
     b, t, h, d = q.shape
     hkv = k.shape[2]
     s_size = mask.cache_size
@@ -301,8 +313,9 @@ def lookahead_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: StepMask
     rows = q.reshape(b, t, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * group, d)
     rows = jnp.pad(rows, ((0, 0), (0, 0), (0, bmap.rows_padded - t * group), (0, 0)))
     dp = d
-    if backend == "triton" and d & (d - 1):  # Triton tiles are powers of two: zero-pad D
-        dp = pl.next_power_of_2(d)
+    if backend == "triton" and (d & (d - 1) or d < 16):
+        # Triton tiles are powers of two, and a dot's dimensions at least 16: zero-pad D
+        dp = max(16, pl.next_power_of_2(d))
         rows = jnp.pad(rows, ((0, 0),) * 3 + ((0, dp - d),))
     keys, values = (_lay_out_keys(x, s_size, cache_padded, bmap.step_padded) for x in (k, v))
     if dp != d:
@@ -322,20 +335,27 @@ def lookahead_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: StepMask
 class PallasAttention:
     """An attention function fn(q, k, v, mask) for the model: the kernel for a lookahead step's
     `StepMask`, the dense reference for any other mask (prefill, plain decoding). Hashable, so
-    a decoding method holding it stays a valid static argument of `jax.jit`."""
+    a decoding method holding it stays a valid static argument of `jax.jit`.
+
+    platform: the jax platform the compiled kernel is for; None: jax's default backend, checked
+    when the kernel is traced. A platform given (e.g. 'cuda' or 'tpu', to `jax.export` a
+    decoder for it from a CPU host) is checked here. Not used in interpret mode."""
 
     backend: str = "triton"
     interpret: bool = False
     block_q: int | None = None
     block_k: int | None = None
+    platform: str | None = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown kernel backend {self.backend!r}: expected one of {BACKENDS}")
+        if self.platform is not None and not self.interpret:
+            check_platform(self.backend, self.platform)
 
     def __call__(self, q, k, v, mask):
         if isinstance(mask, StepMask):
             return lookahead_attention(q, k, v, mask, backend=self.backend,
                                        interpret=self.interpret, block_q=self.block_q,
-                                       block_k=self.block_k)
+                                       block_k=self.block_k, platform=self.platform)
         return dot_product_attention(q, k, v, mask)

@@ -1,17 +1,45 @@
-"""Shared test setup: free each test module's compiled programs when it ends.
+"""Shared test setup: GPU memory taken as needed; full float32 matmuls on accelerators; free
+each test module's compiled programs when it ends.
 
-One pytest process compiles several hundred XLA programs; each keeps its machine code mapped
-in memory for as long as something references it. Clearing JAX's caches and collecting the
-module's engines after every module keeps the process far below the kernel's limit on memory
-mappings (vm.max_map_count, 65530 by default), which a full run otherwise reaches, and the
-next XLA compile then crashes."""
+GPU memory: by default the first JAX process on a GPU takes 75% of its memory at start, and a
+child process that uses the GPU too (test_notebooks.py's notebook kernels inherit this
+environment) then runs out of it. So the tests allocate GPU memory as they need it
+(XLA_PYTHON_CLIENT_PREALLOCATE=false, set here before any backend starts; a value given in the
+environment is kept).
+
+Full float32 matmuls: many tests compare two decoding paths token for token (lookahead against
+plain greedy, the kernel against the dense attention) or against float32 references. On CPU a
+float32 matmul is full float32; jax's default precision is TF32 on a GPU and one bfloat16 pass
+on a TPU, which perturb logits enough to flip near-tied greedy choices and exceed float32
+tolerances. So on any backend but CPU every test runs with "highest" matmul precision (an
+explicit precision, e.g. the kernel's bfloat16 dots, is unaffected).
+
+Freeing compiled programs: one pytest process compiles several hundred XLA programs; each
+keeps its machine code mapped in memory for as long as something references it. Clearing JAX's
+caches and collecting the module's engines after every module keeps the process far below the
+kernel's limit on memory mappings (vm.max_map_count, 65530 by default), which a full run
+otherwise reaches, and the next XLA compile then crashes."""
 
 from __future__ import annotations
 
 import gc
+import os
 
-import jax
-import pytest
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _full_float32_matmuls():
+    if jax.default_backend() == "cpu":
+        yield
+        return
+    before = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")
+    yield
+    jax.config.update("jax_default_matmul_precision", before)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -20,3 +48,48 @@ def _free_compiled_programs():
     gc.collect()
     jax.clear_caches()
     gc.collect()
+
+
+# The tiny_llama preset's shape (configs/tiny_llama.py).
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def hf_ckpt(tmp_path_factory):
+    """A tiny random Llama in Hugging Face format (tiny_llama's shape) with a BPE tokenizer
+    and a minimal chat template."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+    path = tmp_path_factory.mktemp("tiny_hf")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **TINY, bos_token_id=1, eos_token_id=2, initializer_range=0.1))
+    model.save_pretrained(path)
+
+    corpus = ["hello world, this is a tiny tokenizer for the lookahead tests.",
+              "the quick brown fox jumps over the lazy dog; JAX and Flax decode text."]
+    tok = tiny_bpe_tokenizer(corpus, 300)
+    assert len(tok) <= TINY["vocab_size"]
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def tiny_bpe_tokenizer(corpus: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer trained on `corpus` (repeated), with <unk>, <s>, </s> and a
+    minimal chat template, as a transformers tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+
+    tk = Tokenizer(models.BPE(unk_token=None))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(corpus * 20, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        chat_template="{% for m in messages %}<s>user: {{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}assistant:{% endif %}")

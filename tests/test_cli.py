@@ -20,13 +20,10 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import TINY  # the tiny_llama preset's shape, in Hugging Face names
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The tiny_llama preset's shape (configs/tiny_llama.py).
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
 STATS_PREFIX = "["  # Stats.line(): "[N tokens, ... tokens/s, ...]"
 
 
@@ -66,37 +63,6 @@ def stats_lines(res) -> list[str]:
 
 
 # -- fixtures: tiny checkpoints ----------------------------------------------------------------
-@pytest.fixture(scope="module")
-def hf_ckpt(tmp_path_factory):
-    """A tiny random Llama in Hugging Face format (tiny_llama's shape) with a BPE tokenizer
-    and a minimal chat template."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    path = tmp_path_factory.mktemp("tiny_hf")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **TINY, bos_token_id=1, eos_token_id=2, initializer_range=0.1))
-    model.save_pretrained(path)
-
-    tk = Tokenizer(models.BPE(unk_token=None))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    corpus = ["hello world, this is a tiny tokenizer for the lookahead tests.",
-              "the quick brown fox jumps over the lazy dog; JAX and Flax decode text."] * 20
-    tk.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        chat_template="{% for m in messages %}<s>user: {{ m['content'] }}\n{% endfor %}"
-                      "{% if add_generation_prompt %}assistant:{% endif %}")
-    assert len(tok) <= TINY["vocab_size"]
-    tok.save_pretrained(path)
-    return str(path)
-
-
 def _copy(src: str, dst) -> str:
     shutil.copytree(src, dst)
     return str(dst)

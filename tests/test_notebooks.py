@@ -85,7 +85,7 @@ def test_quickstart(tmp_path):
         pytest.skip("SmolLM2 not fetched (python -m lookahead_jax.store.model_store)")
     outputs = execute("quickstart.ipynb", tmp_path)
     text = text_of(outputs)
-    assert "nothing to install" in text or "nothing installed" in text  # the Colab TPU cell
+    assert "lookahead_jax is installed: nothing to install" in text  # the install cell
     for heading in ("=== plain greedy (method='ar') ===", "=== lookahead ==="):
         after = text.split(heading, 1)[1].split("===", 1)[0]
         assert after.strip(), f"no generated text after {heading!r}"
@@ -115,3 +115,16 @@ def test_committed_without_outputs(name):
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(not c.outputs and c.execution_count is None for c in code)
     assert path.stat().st_size < 50_000
+
+
+@pytest.mark.parametrize("name", ["quickstart.ipynb", "train_lad.ipynb"])
+def test_install_cell_installs_from_a_clone_with_the_tpu_extra(name):
+    """No placeholder owner in an address: the install cell installs the clone it finds (or
+    /content/lookahead_jax on Colab) with the `notebooks` extra, plus `tpu` on a TPU host that
+    has no libtpu."""
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    text = "\n".join(c.source for c in nb.cells)
+    assert "OWNER" not in text and "github.com" not in text
+    install = next(c.source for c in nb.cells if c.cell_type == "code" and "pip" in c.source)
+    assert '"tpu,notebooks" if NEED_LIBTPU else "notebooks"' in install
+    assert '"-e", f"{ROOT}[{extras}]"' in install and "/content/lookahead_jax" in install

@@ -11,6 +11,7 @@ import os
 
 import pytest
 from absl import flags
+from conftest import tiny_bpe_tokenizer
 
 from benchmarks import common, suite, suite_methods
 from lookahead_jax.lookahead.config import LookaheadConfig
@@ -98,23 +99,11 @@ def test_new_loaders(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_engine():
     """tiny_llama's random weights with a small byte-level BPE tokenizer and chat template."""
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from lookahead_jax.engine import Engine
-    tk = Tokenizer(models.BPE(unk_token=None))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    corpus = ["add two numbers, the quick brown fox, hello world, def f():\n    # class A:\n",
-              "<s>user: \nassistant:\nYour code should pass these tests:\nassert f() == 1",
-              "return the answer and again"] * 20
-    tk.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=500, special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        chat_template="{% for m in messages %}<s>user: {{ m['content'] }}\n{% endfor %}"
-                      "{% if add_generation_prompt %}assistant:{% endif %}")
+    tok = tiny_bpe_tokenizer(
+        ["add two numbers, the quick brown fox, hello world, def f():\n    # class A:\n",
+         "<s>user: \nassistant:\nYour code should pass these tests:\nassert f() == 1",
+         "return the answer and again"], 500)
     engine = Engine.from_preset("tiny_llama")
     engine.tokenizer = tok
     return engine
