@@ -37,13 +37,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_lookahead import make_model  # noqa: E402  (the structured tiny model)
 
 DEVICES = 8
-needs8 = pytest.mark.skipif(len(jax.devices()) < DEVICES,
-                            reason="needs 8 devices: run by test_on_8_cpu_devices in its own "
+# 8 CPU devices, whatever accelerators the host has: on a GPU or TPU host the tests run in the
+# child process on CPU devices too, so the collectives inspected are always the CPU program's
+ON_8_CPU_DEVICES = jax.default_backend() == "cpu" and len(jax.devices()) >= DEVICES
+needs8 = pytest.mark.skipif(not ON_8_CPU_DEVICES,
+                            reason="needs 8 CPU devices: run by test_on_8_cpu_devices in its own "
                                    "process with --xla_force_host_platform_device_count=8")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.skipif(len(jax.devices()) >= DEVICES, reason="already running on 8 devices")
+@pytest.mark.skipif(ON_8_CPU_DEVICES, reason="already running on 8 CPU devices")
 def test_on_8_cpu_devices():
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
