@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from lookahead_jax.looped.loopahead import LoopAhead
-from lookahead_jax.looped.spec_sampling import draft_chances, verify_drafts
+from lookahead_jax.looped.spec_sampling import draft_chances, residual_after, verify_drafts
 from test_loopspec import (ALPHA, SAMPLES, SETTINGS, V, WRONG_P, check,  # noqa: F401
                            exact_probs, sample_many, small_model)
 
@@ -86,10 +86,8 @@ def cascade(inverted: bool, keep_target: bool):
             ratio = q_x / jnp.maximum(r_x, 1e-30) if inverted else r_x / q_x
             accept = trial & (u[:, k] < ratio)
             which = jnp.where(accept, k, which)
-            if not keep_target:
-                nxt = jnp.maximum(res / res.sum(-1, keepdims=True) - q[:, k], 0.0)
-                nxt = jnp.where(nxt.sum(-1, keepdims=True) > 0, nxt, res)
-                res = jnp.where((trial & ~accept)[:, None], nxt, res)
+            if not keep_target:  # the right residual: the library's
+                res = jnp.where((trial & ~accept)[:, None], residual_after(res, q[:, k]), res)
         drawn = jax.random.categorical(key, jnp.log(res), axis=-1).astype(jnp.int32)
         return which, jnp.where(which >= 0, x[rows, jnp.maximum(which, 0)], drawn)
 
