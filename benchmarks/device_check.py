@@ -124,20 +124,23 @@ def part_kernel(shapes: Shapes, smoke: bool) -> dict:
     h, hkv, d = shapes.kernel_heads
     t = layout.size
     rng = np.random.default_rng(0)
-    kernel = jax.jit(lambda q, k, v, m: lookahead_attention(q, k, v, m, backend=backend,
-                                                            interpret=interpret))
+    kernel = jax.jit(lambda q, k, v, m, ck, cv: lookahead_attention(
+        q, k, v, m, ck, cv, backend=backend, interpret=interpret))
     dense = jax.jit(dense_attention)
     rows = []
     for cache_len in shapes.kernel_cache:
-        q32, k32, v32 = (jnp.asarray(rng.normal(size=(1, n, hh, d)), jnp.float32)
-                         for n, hh in ((t, h), (cache_len + t, hkv), (cache_len + t, hkv)))
+        shapes_ = ((1, t, h, d), (1, t, hkv, d), (1, t, hkv, d), (1, hkv, cache_len, d),
+                   (1, hkv, cache_len, d))
+        q32, k32, v32, ck32, cv32 = (jnp.asarray(rng.normal(size=s), jnp.float32)
+                                     for s in shapes_)
         mask = StepMask(jnp.full((1,), cache_len, jnp.int32), layout, cache_len)
         with jax.default_matmul_precision("highest"):
-            ref = dense(q32, k32, v32, mask)
-            err32 = float(jnp.max(jnp.abs(kernel(q32, k32, v32, mask) - ref)))
-        q16, k16, v16 = (x.astype(jnp.bfloat16) for x in (q32, k32, v32))
-        err16 = float(jnp.max(jnp.abs(kernel(q16, k16, v16, mask).astype(jnp.float32) - ref)))
-        args = (q16, k16, v16, mask)
+            ref = dense(q32, k32, v32, mask, ck32, cv32)
+            err32 = float(jnp.max(jnp.abs(kernel(q32, k32, v32, mask, ck32, cv32) - ref)))
+        q16, k16, v16, ck16, cv16 = (x.astype(jnp.bfloat16)
+                                     for x in (q32, k32, v32, ck32, cv32))
+        args = (q16, k16, v16, mask, ck16, cv16)
+        err16 = float(jnp.max(jnp.abs(kernel(*args).astype(jnp.float32) - ref)))
         kernel_us = 1e6 * time_call(kernel, args, shapes.iters, shapes.repeats)
         dense_us = 1e6 * time_call(dense, args, shapes.iters, shapes.repeats)
         rows.append({"cache_len": cache_len, "max_err_f32": err32, "max_err_bf16": err16,

@@ -38,7 +38,7 @@ from lookahead_jax.sampling import Sampling
 from lookahead_jax.store.checkpoint import load_model_and_tokenizer
 from lookahead_jax.store.model_store import default_cache_dir
 from lookahead_jax.store.presets import DTYPES, load_preset
-from lookahead_jax.tuning import auto
+from lookahead_jax.tuning import auto, roofline
 from models.config import ConfigError, LoopedConfig
 from pallas_kernels.attention import ATTENTION_NAMES
 from pallas_kernels.platform import KernelUnavailable
@@ -84,9 +84,14 @@ class Options:
     G: int | None = _flag(None, "Lookahead verification candidates (overrides the preset).")
     prompt_seeding: bool | None = _flag(None, "Seed the n-gram pool with the prompt's n-grams "
                                         "(default: the preset's).")
-    auto: bool = _flag(False, "Choose W, N, G for this device: measure its step-cost curve and "
-                       "rank settings by the fitted scaling law (--W/--N/--G fix a value); "
-                       "the choice and why go to stderr.")
+    auto: bool = _flag(False, "Choose the fastest method for this device: measure its "
+                       "step-cost curve, rank lookahead settings by the fitted scaling law "
+                       "(--W/--N/--G fix a value), and fall back to prompt lookup or plain "
+                       "decoding when no setting is predicted faster; why goes to stderr.")
+    auto_device: str | None = _flag(None, "--auto: predict the step-cost curve for this "
+                                    "device with the roofline model instead of measuring "
+                                    "here (e.g. 'A100 80GB SXM', 'TPU v5e'; see "
+                                    "python -m benchmarks.roofline).")
     auto_fit: str | None = _flag(None, "--auto: a JSON scaling-law fit (`benchmarks.suite "
                                  "--sweep` writes one; default: the fit shipped with the "
                                  "package).")
@@ -171,6 +176,12 @@ def check_options(opts: Options) -> None:
         raise ConfigError("empty prompt: --prompt is blank")
     if opts.auto_fit and not opts.auto:
         raise ConfigError("--auto_fit only applies with --auto")
+    if opts.auto_device is not None:
+        if not opts.auto:
+            raise ConfigError("--auto_device only applies with --auto")
+        names = [d.name for d in roofline.DEVICES]
+        if opts.auto_device not in names:
+            raise ConfigError(f"--auto_device must be one of {names}, got {opts.auto_device!r}")
     if opts.dtype is not None and opts.dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {opts.dtype!r}")
 
@@ -201,8 +212,8 @@ def _run(opts: Options, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
     sampling = Sampling(temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p)
     if opts.auto:
         if method_name(opts, preset) != "lookahead" or isinstance(preset.model, LoopedConfig):
-            raise ConfigError("--auto chooses lookahead settings: it needs --method=lookahead "
-                              "and a Llama-family preset")
+            raise ConfigError("--auto chooses the method (lookahead, prompt lookup or plain) "
+                              "for a Llama-family preset: drop --method, or drop --auto")
         auto.resolve_fit(opts.auto_fit)  # a missing or broken fit file fails before weights
     method = build_cli_method(opts, preset, sampling)  # bad settings fail before weights load
     chat = preset.chat if opts.chat is None else opts.chat
@@ -226,7 +237,9 @@ def _run(opts: Options, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
     auto_choice = None
     if opts.auto:
         auto_choice = _auto_settings(opts, engine, texts, ids, chat, stderr)
-        method = engine.build_method("lookahead", sampling, lookahead=auto_choice.config)
+        chosen = ({"lookahead": auto_choice.config} if auto_choice.method == "lookahead"
+                  else {})
+        method = engine.build_method(auto_choice.method, sampling, **chosen)
     gen_kw = dict(method=method, max_new_tokens=opts.max_new_tokens, seed=opts.seed)
     records = []
 
@@ -299,11 +312,13 @@ def _auto_settings(opts: Options, engine: Engine, texts, ids, chat: bool, stderr
     grid = auto.candidate_grid((opts.W,) if opts.W is not None else auto.GRID_W,
                                (opts.N,) if opts.N is not None else auto.GRID_N,
                                (opts.G,) if opts.G is not None else None)
-    print(f"auto: measuring the step-cost curve at cache length "
+    how = (f"predicting for {opts.auto_device}" if opts.auto_device
+           else "measuring")
+    print(f"auto: {how} the step-cost curve at cache length "
           f"{prompt_len + opts.max_new_tokens // 2} ...", file=stderr, flush=True)
     choice = auto.choose_settings(engine, prompt_len=prompt_len,
                                   max_new_tokens=opts.max_new_tokens, fit=opts.auto_fit,
-                                  grid=grid, base=engine.lookahead)
+                                  grid=grid, base=engine.lookahead, device=opts.auto_device)
     print(choice.report(), file=stderr, flush=True)
     return choice
 

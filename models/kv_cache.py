@@ -4,6 +4,18 @@ The model never writes its own cache: a forward pass returns the K/V of the toke
 given (`NewKV`), and the decoder decides which of them to keep (`KVCache.write` / `append`).
 That is what lets lookahead decoding compute many speculative tokens and commit only the
 accepted ones.
+
+The cache is head-major, [L, B, Hkv, S, D]: for each (row, K/V head) the S slots are one
+contiguous [S, D] matrix, which is what attention multiplies by (a batched matmul over rows and
+heads). A sequence-major cache ([L, B, S, Hkv, D]) would have to be transposed, that is copied,
+by every layer of every step before its matmuls; head-major, attention reads it in place.
+
+Two ways to hold the layers: `per_layer=True` (what `Llama` uses) keeps one array per layer,
+`k = (k_0, ..., k_{L-1})`, so a layer's attention reads its array directly; stacked
+(`per_layer=False`, one [L, B, Hkv, S, D] array) is for models that pick a layer slot by a
+traced index (the looped models: a token's depth decides its slot). Reading a slice of a
+stacked array costs a copy of that layer on backends that do not multiply strided views in
+place (XLA's CPU backend copies it), which is why the static-layer model keeps them apart.
 """
 
 from __future__ import annotations
@@ -25,23 +37,37 @@ class NewKV:
 class KVCache:
     """Static-shape cache. Row b holds its committed tokens in slots [0, length[b])."""
 
-    k: jax.Array  # [L, B, S, Hkv, D]
-    v: jax.Array  # [L, B, S, Hkv, D]
+    k: jax.Array | tuple[jax.Array, ...]  # [L, B, Hkv, S, D], or L arrays [B, Hkv, S, D]
+    v: jax.Array | tuple[jax.Array, ...]  # as k
     length: jax.Array  # [B] int32, committed tokens per row
 
     @classmethod
     def init(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-             dtype=jnp.float32) -> "KVCache":
-        shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+             dtype=jnp.float32, *, per_layer: bool = False) -> "KVCache":
+        shape = (batch, num_kv_heads, max_len, head_dim)
+        if per_layer:
+            k = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+            v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+        else:
+            k = jnp.zeros((num_layers, *shape), dtype)
+            v = jnp.zeros((num_layers, *shape), dtype)
+        return cls(k, v, jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, tuple)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k) if self.per_layer else self.k.shape[0]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[2]
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
 
     def visible(self) -> jax.Array:
         """[B, S] bool: the slots holding committed tokens."""
@@ -53,9 +79,21 @@ class KVCache:
         src, dst: [B, n] int32. `length` is unchanged.
         """
         b = jnp.broadcast_to(jnp.arange(src.shape[0])[:, None], src.shape)
-        k = self.k.at[:, b, dst].set(new.k[:, b, src], mode="drop")
-        v = self.v.at[:, b, dst].set(new.v[:, b, src], mode="drop")
+        if self.per_layer:  # layer[b, :, dst] has shape [B, n, Hkv, D]
+            k = tuple(c.at[b, :, dst].set(n[b, src], mode="drop") for c, n in zip(self.k, new.k))
+            v = tuple(c.at[b, :, dst].set(n[b, src], mode="drop") for c, n in zip(self.v, new.v))
+            return self.replace(k=k, v=v)
+        # cache[:, b, :, dst] has shape [B, n, L, Hkv, D] (the indexed axes first)
+        k = self.k.at[:, b, :, dst].set(jnp.moveaxis(new.k[:, b, src], 0, 2), mode="drop")
+        v = self.v.at[:, b, :, dst].set(jnp.moveaxis(new.v[:, b, src], 0, 2), mode="drop")
         return self.replace(k=k, v=v)
+
+    def slots(self, layer) -> tuple[jax.Array, jax.Array]:
+        """K, V [B, Hkv, S, D] of one layer slot (an int; traced only for a stacked cache)."""
+        if isinstance(layer, int) or self.per_layer:
+            return self.k[layer], self.v[layer]
+        return (jax.lax.dynamic_index_in_dim(self.k, layer, 0, keepdims=False),
+                jax.lax.dynamic_index_in_dim(self.v, layer, 0, keepdims=False))
 
     def append(self, new: NewKV, src: jax.Array, count: jax.Array) -> "KVCache":
         """Appends new tokens src[b, :count[b]] after row b's committed tokens.

@@ -2,6 +2,12 @@
 
 Every forward pass here takes explicit positions and an attention mask over
 [cache slots | new tokens]; `causal_mask` builds the usual one.
+
+Attention never joins the cache and the new tokens into one key array: an attention function
+`fn(q, k, v, mask, cache_k, cache_v)` gets the new tokens' K/V and the cache layer's K/V
+separately (the cache head-major, read in place; see `models.kv_cache`) and attends to both
+under one softmax. Concatenating them would copy the whole cache once more per layer and step,
+traffic a memory-bound accelerator pays for in full.
 """
 
 from __future__ import annotations
@@ -12,11 +18,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from models.config import LlamaConfig, LoopedConfig
 from models.kv_cache import KVCache
 
-AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+# fn(q, k, v, mask, cache_k, cache_v) -> out; see dot_product_attention
+AttentionFn = Callable[..., jax.Array]
 ModelConfig = LlamaConfig | LoopedConfig
 
 
@@ -70,33 +78,46 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Dense masked attention with grouped-query heads.
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                          cache_k: jax.Array | None = None,
+                          cache_v: jax.Array | None = None) -> jax.Array:
+    """Dense masked attention with grouped-query heads, over a cache and the new tokens.
 
-    q [B,T,H,D], k/v [B,S,Hkv,D], mask [B,T,S] bool -> [B,T,H,D]. Softmax in float32.
-    A query row with no visible key returns zeros.
+    q [B,T,H,D]; k/v [B,T,Hkv,D] the new tokens' keys and values; cache_k/v [B,Hkv,S,D] (one
+    cache layer, head-major) or None; mask [B,T,S+T] bool over [cache slots | new tokens]
+    ([B,T,T] without a cache) -> [B,T,H,D]. Softmax in float32. A query row with no visible
+    key returns zeros.
+
+    The cache is read where it lies: its scores come from one batched matmul with the cache as
+    the left operand ([S, D] per row and head, contracted over D) and its values from one with
+    the probabilities on the left, the layouts XLA multiplies without relayout; only the scores
+    ([.., T, S]) of the two parts are joined.
     """
     b, t, h, d = q.shape
     hkv = k.shape[2]
-    qg = q.reshape(b, t, hkv, h // hkv, d)
+    g = h // hkv
+    qg = q.reshape(b, t, hkv, g, d)
     scores = jnp.einsum("BTKGD,BSKD->BKGTS", qg, k, preferred_element_type=jnp.float32)
+    s = 0
+    if cache_k is not None:
+        s = cache_k.shape[2]
+        rows = qg.transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # [B,K,G*T,D]
+        old = lax.dot_general(cache_k.astype(q.dtype), rows, (((3,), (3,)), ((0, 1), (0, 1))),
+                              preferred_element_type=jnp.float32)  # [B,K,S,G*T]
+        old = old.reshape(b, hkv, s, g, t).transpose(0, 1, 3, 4, 2)  # [B,K,G,T,S]
+        scores = jnp.concatenate([old, scores], axis=-1)
     scores = scores / math.sqrt(d)
     m = mask[:, None, None, :, :]
     scores = jnp.where(m, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1, where=m)
     probs = jnp.where(m, probs, 0.0).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs[..., s:], v, preferred_element_type=jnp.float32)
+    if cache_v is not None:
+        p_old = probs[..., :s].reshape(b, hkv, g * t, s)
+        old = lax.dot_general(p_old, cache_v.astype(v.dtype), (((3,), (2,)), ((0, 1), (0, 1))),
+                              preferred_element_type=jnp.float32)  # [B,K,G*T,D]
+        out = out + old.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4)
     return out.reshape(b, t, h, d).astype(q.dtype)
-
-
-def with_cache(k: jax.Array, v: jax.Array, cached_k: jax.Array | None,
-               cached_v: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """The keys and values a query attends to: [cached | new] ([B,S+T,Hkv,D]), or the new
-    ones alone when there is no cache."""
-    if cached_k is None:
-        return k, v
-    return (jnp.concatenate([cached_k.astype(k.dtype), k], axis=1),
-            jnp.concatenate([cached_v.astype(v.dtype), v], axis=1))
 
 
 def linear(din: int, dout: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:
@@ -140,12 +161,11 @@ class Attention(nnx.Module):
         return k, self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
 
     def __call__(self, x, cos, sin, mask, cached_k, cached_v, attention_fn: AttentionFn):
-        """x [B,T,E]; cached_k/v [B,S,Hkv,D] or None; mask [B,T,S+T]. Returns out, (k, v) of x."""
+        """x [B,T,E]; cached_k/v [B,Hkv,S,D] (one cache layer) or None; mask [B,T,S+T]. Returns out, (k, v) of x."""
         b, t, _ = x.shape
         q = apply_rope(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim), cos, sin)
         k, v = self.key_value(x, cos, sin)
-        keys, values = with_cache(k, v, cached_k, cached_v)
-        out = attention_fn(q, keys, values, mask)
+        out = attention_fn(q, k, v, mask, cached_k, cached_v)
         return self.o_proj(out.reshape(b, t, -1)), (k, v)
 
 

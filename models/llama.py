@@ -66,8 +66,7 @@ class Llama(nnx.Module):
         x = self.embed_tokens(tokens)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
-            ck = None if cache is None else cache.k[i]
-            cv = None if cache is None else cache.v[i]
+            ck, cv = (None, None) if cache is None else cache.slots(i)
             x, (k, v) = layer(x, cos, sin, mask, ck, cv, attention_fn)
             ks.append(k)
             vs.append(v)
@@ -83,4 +82,4 @@ class Llama(nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         cfg = self.config
         return KVCache.init(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim,
-                            dtype or self.dtype)
+                            dtype or self.dtype, per_layer=True)

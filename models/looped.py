@@ -52,20 +52,19 @@ def default_mask(mask: jax.Array | None, positions: jax.Array) -> jax.Array:
 
 
 def _cached(cache: KVCache | None, slot) -> tuple[jax.Array | None, jax.Array | None]:
-    """K/V [B,S,Hkv,D] of one cache slot (slot may be traced)."""
+    """K/V [B,Hkv,S,D] of one cache slot (slot may be traced)."""
     if cache is None:
         return None, None
-    if isinstance(slot, int):
-        return cache.k[slot], cache.v[slot]
-    return (jax.lax.dynamic_index_in_dim(cache.k, slot, 0, keepdims=False),
-            jax.lax.dynamic_index_in_dim(cache.v, slot, 0, keepdims=False))
+    return cache.slots(slot)
 
 
 def _all_depths_cached(cache: KVCache, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """K/V of the R cache slots `slots` [R] side by side: [B, R*S, Hkv, D] each."""
-    k = jnp.moveaxis(cache.k[slots], 0, 1).reshape(cache.batch, -1, *cache.k.shape[3:])
-    v = jnp.moveaxis(cache.v[slots], 0, 1).reshape(cache.batch, -1, *cache.v.shape[3:])
-    return k, v
+    """K/V of the R cache slots `slots` [R] side by side: [B, Hkv, R*S, D] each. A gather (a
+    copy of R cache layers): the price of a step whose tokens sit at different depths."""
+    def joined(x):
+        x = jnp.moveaxis(x[slots], 0, 2)  # [B, Hkv, R, S, D]
+        return x.reshape(*x.shape[:2], -1, x.shape[-1])
+    return joined(cache.k), joined(cache.v)
 
 
 def _per_depth_mask(mask: jax.Array, depth: jax.Array, cache: KVCache | None,
@@ -93,8 +92,9 @@ def write_slots(cache: KVCache, new: NewKV, first_slot: jax.Array, src: jax.Arra
     n = new.k.shape[0]
     b = jnp.broadcast_to(jnp.arange(src.shape[0])[:, None], src.shape)
     slots = first_slot[None] + jnp.arange(n)[:, None, None]  # [n, B, m]
-    k = cache.k.at[slots, b[None], dst[None]].set(new.k[:, b, src], mode="drop")
-    v = cache.v.at[slots, b[None], dst[None]].set(new.v[:, b, src], mode="drop")
+    # cache[slots, b, :, dst] has shape [n, B, m, Hkv, D] (the indexed axes first)
+    k = cache.k.at[slots, b[None], :, dst[None]].set(new.k[:, b, src], mode="drop")
+    v = cache.v.at[slots, b[None], :, dst[None]].set(new.v[:, b, src], mode="drop")
     return cache.replace(k=k, v=v)
 
 

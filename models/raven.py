@@ -22,7 +22,7 @@ from flax import nnx
 from models.config import LoopedConfig
 from models.kv_cache import KVCache, NewKV
 from models.layers import (AttentionFn, RMSNorm, dot_product_attention, embedding, linear,
-                           rope_inv_freq, with_cache)
+                           rope_inv_freq)
 from models.looped import LoopedLM, Seed, default_mask
 
 
@@ -64,8 +64,7 @@ class RavenAttention(nnx.Module):
             bias = self.qk_bias[...]
             q, k = (q + bias[0]).astype(q.dtype), (k + bias[1]).astype(k.dtype)
         q, k = apply_rope_interleaved(q, cos, sin), apply_rope_interleaved(k, cos, sin)
-        keys, values = with_cache(k, v, cached_k, cached_v)
-        out = attention_fn(q, keys, values, mask)
+        out = attention_fn(q, k, v, mask, cached_k, cached_v)
         return self.proj(out.reshape(b, t, -1)), (k, v)
 
 

@@ -8,7 +8,7 @@
           that platform, to lower or export for it from this host.
   auto    the kernel where the platform has one (GPU, TPU), dense otherwise.
 
-An attention function has the model's signature `fn(q, k, v, mask)`. Only the lookahead step
+An attention function has the model's signature `fn(q, k, v, mask, cache_k, cache_v)`. Only the lookahead step
 passes a `StepMask`; the kernel falls back to the dense path for any other mask (prefill,
 plain decoding), so one function serves every model call.
 """
@@ -27,7 +27,7 @@ ATTENTION_NAMES = ("dense", "pallas", "auto")
 
 def select_attention(name: str, platform: str | None = None, *, interpret: bool = False,
                      block_q: int | None = None, block_k: int | None = None):
-    """'dense' | 'pallas' | 'auto' -> an attention function fn(q, k, v, mask).
+    """'dense' | 'pallas' | 'auto' -> an attention function fn(q, k, v, mask, cache_k, cache_v).
 
     platform: a jax platform name ('cpu', 'gpu', 'cuda', 'rocm', 'tpu'); default: jax's
     default backend. A platform given is passed on to the compiled kernel, which is then built

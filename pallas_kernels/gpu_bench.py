@@ -77,15 +77,20 @@ def run_bench(f) -> dict:
     dq, dk = default_blocks("triton", t * group)
     bq, bk = f.block_q or dq, f.block_k or dk
     tol = 1e-4 if dtype == jnp.float32 else 2e-2
-    kernel = jax.jit(lambda q, k, v, m: lookahead_attention(
-        q, k, v, m, backend="triton", interpret=f.interpret, block_q=bq, block_k=bk))
+    kernel = jax.jit(lambda q, k, v, m, ck, cv: lookahead_attention(
+        q, k, v, m, ck, cv, backend="triton", interpret=f.interpret, block_q=bq, block_k=bk))
     dense = jax.jit(dense_attention)
 
     def jax_nn(impl):
-        def fn(q, k, v, m):
-            return jax.nn.dot_product_attention(q, k, v, mask=m.dense()[:, None],
+        """jax's attention over [cache | step] keys joined beforehand (outside the timing)."""
+        def fn(q, k, v, m, kv_all):
+            return jax.nn.dot_product_attention(q, *kv_all, mask=m.dense()[:, None],
                                                 implementation=impl)
         return jax.jit(fn)
+
+    def joined(k, v, ck, cv):
+        return tuple(jnp.concatenate([c.transpose(0, 2, 1, 3), x], axis=1)
+                     for c, x in ((ck, k), (cv, v)))
 
     record = {"device": str(jax.devices()[0].device_kind), "W": f.W, "N": f.N, "G": f.G, "T": t,
               "batch": b, "heads": h, "kv_heads": hkv, "head_dim": d, "dtype": f.dtype,
@@ -97,20 +102,24 @@ def run_bench(f) -> dict:
         big = max(f.cache_size, cache_len) if f.cache_size else cache_len
         for size in sorted({cache_len, big}):
             q = jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
-            k = jnp.asarray(rng.normal(size=(b, size + t, hkv, d)), dtype)
-            v = jnp.asarray(rng.normal(size=(b, size + t, hkv, d)), dtype)
+            k, v = (jnp.asarray(rng.normal(size=(b, t, hkv, d)), dtype) for _ in range(2))
+            ck, cv = (jnp.asarray(rng.normal(size=(b, hkv, size, d)), dtype) for _ in range(2))
             mask = StepMask(jnp.full((b,), cache_len, jnp.int32), layout, size)
+            args = (q, k, v, mask, ck, cv)
             with jax.default_matmul_precision("highest"):
-                ref = jax.jit(dense_attention)(*(x.astype(jnp.float32) for x in (q, k, v)), mask)
-            err = float(jnp.max(jnp.abs(kernel(q, k, v, mask).astype(jnp.float32) - ref)))
+                ref = jax.jit(dense_attention)(
+                    *(x.astype(jnp.float32) if i != 3 else x for i, x in enumerate(args)))
+            err = float(jnp.max(jnp.abs(kernel(*args).astype(jnp.float32) - ref)))
             ok &= err <= tol
             counts = BlockMap.of(layout, group, bq, bk).counts(cache_len, size)
             row = {"cache_len": cache_len, "cache_size": size, "max_abs_err": err,
                    "tiles_computed": counts["computed"], "tiles_total": counts["total"]}
-            for name, fn in (("kernel", kernel), ("dense", dense), ("jax_xla", jax_nn("xla")),
-                             ("jax_cudnn", jax_nn("cudnn"))):
+            nn_args = (q, k, v, mask, joined(k, v, ck, cv))
+            for name, fn, a in (("kernel", kernel, args), ("dense", dense, args),
+                                ("jax_xla", jax_nn("xla"), nn_args),
+                                ("jax_cudnn", jax_nn("cudnn"), nn_args)):
                 try:
-                    row[f"{name}_us"] = 1e6 * time_call(fn, (q, k, v, mask), f.iters, f.repeats)
+                    row[f"{name}_us"] = 1e6 * time_call(fn, a, f.iters, f.repeats)
                 except Exception as e:  # noqa: BLE001 (cuDNN may refuse a mask or a shape)
                     row[f"{name}_us"] = None
                     row[f"{name}_error"] = " ".join(str(e).split())[:200]

@@ -1,7 +1,7 @@
 """Block-sparse attention for one lookahead step, in Pallas: Triton on GPU, Mosaic on TPU.
 
-Queries: the step's T tokens. Keys/values: the cache (row b valid up to cache_len[b]) followed
-by the step's T tokens. Visibility: a `StepMask` (cache lengths + the step's `StepLayout`),
+Queries: the step's T tokens. Keys/values: the cache (row b valid up to cache_len[b]) and the
+step's T tokens, two separate inputs: the cache is read in place, never joined to the step. Visibility: a `StepMask` (cache lengths + the step's `StepLayout`),
 tiled by a `BlockMap`. Flash-attention style: an online softmax across key tiles, accumulated
 in float32 whatever the input dtype (float32 or bfloat16); a query row with no visible key
 returns zeros, as the dense reference does.
@@ -9,8 +9,10 @@ returns zeros, as the dense reference does.
 Layout inside the kernel (built by `lookahead_attention`, undone on the way out):
   q     [B, Hkv, R, D]     R = T * group rows per K/V head (row r = token r // group), padded
                            to a multiple of block_q: one query tile serves every head of a group
-  k, v  [B, S' + T', Hkv, D] (GPU) or [B, Hkv, S' + T', D] (TPU): the cache padded to S' and
-                           the step padded to T', both multiples of block_k
+  cache k, v [B, Hkv, S', D]  the cache as the model holds it (head-major); S' = S when S is
+                           a multiple of block_k (the engine allocates whole 128-slot blocks),
+                           else a zero-padded copy
+  step k, v  [B, Hkv, T', D]  the step's K/V, zero-padded to T', a multiple of block_k
   mask  [R', T'] int32     the layout's mask, one row per query row (`BlockMap.row_mask`)
 
 Which tiles are computed:
@@ -100,8 +102,8 @@ def _online_update(carry, q, k, v, visible, *, scale: float, precision):
 
 
 # -- GPU: Triton ---------------------------------------------------------------------------------
-def _triton_kernel(len_ref, count_ref, index_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, *,
-                   cache_padded: int, block_k: int, scale: float, precision):
+def _triton_kernel(len_ref, count_ref, index_ref, q_ref, ck_ref, cv_ref, sk_ref, sv_ref, mask_ref,
+                   o_ref, *, block_k: int, scale: float, precision):
     bq, d = q_ref.shape
     q = q_ref[...]
     cache_len = len_ref[0]
@@ -112,35 +114,34 @@ def _triton_kernel(len_ref, count_ref, index_ref, q_ref, k_ref, v_ref, mask_ref,
     def cache_tile(c, carry):
         start = pl.multiple_of(c * block_k, block_k)
         visible = (start + jnp.arange(block_k))[None, :] < cache_len
-        return update(carry, q, k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :],
-                      visible)
+        return update(carry, q, ck_ref[pl.ds(start, block_k), :],
+                      cv_ref[pl.ds(start, block_k), :], visible)
 
     carry = lax.fori_loop(0, lax.div(cache_len + (block_k - 1), block_k), cache_tile, carry)
 
     def step_tile(j, carry):
         s = index_ref[j]
         col = pl.multiple_of(s * block_k, block_k)
-        start = pl.multiple_of(cache_padded + col, block_k)
         visible = mask_ref[:, pl.ds(col, block_k)] != 0
-        return update(carry, q, k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :],
+        return update(carry, q, sk_ref[pl.ds(col, block_k), :], sv_ref[pl.ds(col, block_k), :],
                       visible)
 
     m, l, acc = lax.fori_loop(0, count_ref[0], step_tile, carry)
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
 
 
-def _triton_call(q, k, v, cache_len, bmap: BlockMap, cache_padded: int, *, scale, precision,
+def _triton_call(q, ck, cv, sk, sv, cache_len, bmap: BlockMap, *, scale, precision,
                  interpret: bool):
-    """q [B, Hkv, R', D], k/v [B, S'+T', Hkv, D], cache_len [B] -> [B, Hkv, R', D]."""
+    """q [B, Hkv, R', D], cache ck/cv [B, Hkv, S', D], step sk/sv [B, Hkv, T', D], cache_len [B]
+    -> [B, Hkv, R', D]."""
     from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415
 
     b, hkv, _, d = q.shape
-    keys = k.shape[1]
     bq, bk = bmap.block_q, bmap.block_k
     index, count = bmap.step_index
-    kernel = functools.partial(_triton_kernel, cache_padded=cache_padded, block_k=bk,
-                               scale=scale, precision=precision)
-    kv_spec = pl.BlockSpec((None, keys, None, d), lambda b_, h, i: (b_, 0, h, 0))
+    kernel = functools.partial(_triton_kernel, block_k=bk, scale=scale, precision=precision)
+    cache_spec = pl.BlockSpec((None, None, ck.shape[2], d), lambda b_, h, i: (b_, h, 0, 0))
+    step_spec = pl.BlockSpec((None, None, sk.shape[2], d), lambda b_, h, i: (b_, h, 0, 0))
     tile_spec = pl.BlockSpec((None, None, bq, d), lambda b_, h, i: (b_, h, i, 0))
     return pl.pallas_call(
         kernel,
@@ -149,7 +150,7 @@ def _triton_call(q, k, v, cache_len, bmap: BlockMap, cache_padded: int, *, scale
             pl.BlockSpec((1,), lambda b_, h, i: (b_,)),  # cache_len
             pl.BlockSpec((1,), lambda b_, h, i: (i,)),  # step tiles to compute
             pl.BlockSpec((None, index.shape[1]), lambda b_, h, i: (i, 0)),  # which
-            tile_spec, kv_spec, kv_spec,
+            tile_spec, cache_spec, cache_spec, step_spec, step_spec,
             pl.BlockSpec((bq, bmap.step_padded), lambda b_, h, i: (i, 0)),  # row mask
         ],
         out_specs=tile_spec,
@@ -157,14 +158,14 @@ def _triton_call(q, k, v, cache_len, bmap: BlockMap, cache_padded: int, *, scale
         compiler_params=pltriton.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2),
         interpret=interpret,
         name="lookahead_attention_triton",
-    )(cache_len, jnp.asarray(count), jnp.asarray(index), q, k, v,
+    )(cache_len, jnp.asarray(count), jnp.asarray(index), q, ck, cv, sk, sv,
       jnp.asarray(bmap.row_mask, jnp.int32))
 
 
 # -- TPU: Mosaic -----------------------------------------------------------------------------------
-def _tpu_kernel(len_ref, vis_ref, fetch_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref,
-                acc_ref, *, cache_blocks: int, step_blocks: int, block_k: int, scale: float,
-                precision):
+def _tpu_kernel(len_ref, vis_ref, fetch_ref, q_ref, ck_ref, cv_ref, sk_ref, sv_ref, mask_ref,
+                o_ref, m_ref, l_ref, acc_ref, *, cache_blocks: int, step_blocks: int,
+                block_k: int, scale: float, precision):
     del fetch_ref  # used by the index maps only
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     bq, d = acc_ref.shape
@@ -181,10 +182,7 @@ def _tpu_kernel(len_ref, vis_ref, fetch_ref, q_ref, k_ref, v_ref, mask_ref, o_re
     tile_visible = jnp.where(in_cache, j * block_k < cache_len,
                              vis_ref[i * step_blocks + s] != 0)
 
-    @pl.when(tile_visible)
-    def _compute():
-        cols = j * block_k + lax.broadcasted_iota(jnp.int32, (bq, block_k), 1)
-        visible = jnp.where(in_cache, cols < cache_len, mask_ref[...] != 0)
+    def compute(k_ref, v_ref, visible):
         m_prev, l_prev = m_ref[...], l_ref[...]  # [bq, LANES], replicated across lanes
         sc = lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
                              precision=precision, preferred_element_type=jnp.float32) * scale
@@ -199,6 +197,15 @@ def _tpu_kernel(len_ref, vis_ref, fetch_ref, q_ref, k_ref, v_ref, mask_ref, o_re
                              precision=precision, preferred_element_type=jnp.float32)
         acc_ref[...] = _lanes_to(alpha, d) * acc_ref[...] + pv
 
+    @pl.when(tile_visible & in_cache)
+    def _cache_tile():
+        cols = j * block_k + lax.broadcasted_iota(jnp.int32, (bq, block_k), 1)
+        compute(ck_ref, cv_ref, cols < cache_len)
+
+    @pl.when(tile_visible & ~in_cache)
+    def _step_tile():
+        compute(sk_ref, sv_ref, mask_ref[...] != 0)
+
     @pl.when(j == cache_blocks + step_blocks - 1)
     def _finish():
         l = l_ref[...]
@@ -211,36 +218,42 @@ def _lanes_to(x, d: int):
     return jnp.tile(x, (1, cdiv(d, LANES)))[:, :d]
 
 
-def _tpu_call(q, k, v, cache_len, bmap: BlockMap, cache_padded: int, *, scale, precision,
+def _tpu_call(q, ck, cv, sk, sv, cache_len, bmap: BlockMap, *, scale, precision,
               interpret: bool):
-    """q [B, Hkv, R', D], k/v [B, Hkv, S'+T', D], cache_len [B] -> [B, Hkv, R', D]."""
+    """q [B, Hkv, R', D], cache ck/cv [B, Hkv, S', D], step sk/sv [B, Hkv, T', D], cache_len [B]
+    -> [B, Hkv, R', D]."""
     from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
 
     b, hkv, _, d = q.shape
     bq, bk = bmap.block_q, bmap.block_k
-    nc, nt = cache_padded // bk, bmap.step_blocks
+    nc, nt = ck.shape[2] // bk, bmap.step_blocks
     kernel = functools.partial(_tpu_kernel, cache_blocks=nc, step_blocks=nt, block_k=bk,
                                scale=scale, precision=precision)
 
-    def fetched(b_, i, j, len_ref, fetch_ref):
-        """(key block to hold for tile j, step block of the row mask)."""
+    # The block each input holds at tile j. A tile that computes nothing holds the block already
+    # in memory, so the pipeline copies nothing for it: the cache holds its last visible block
+    # through the step tiles, the step holds its first fetched block through the cache tiles.
+    def cache_map(b_, h, i, j, len_ref, vis_ref, fetch_ref):
         last_cache = jnp.maximum(lax.div(len_ref[b_] + (bk - 1), bk) - 1, 0)
-        f = fetch_ref[i * nt + jnp.maximum(j - nc, 0)]
-        step = jnp.where(f >= 0, nc + f, last_cache)
-        return jnp.where(j < nc, jnp.minimum(j, last_cache), step), jnp.maximum(f, 0)
+        return b_, h, jnp.minimum(j, last_cache), 0
 
-    def kv_map(b_, h, i, j, len_ref, vis_ref, fetch_ref):
-        return b_, h, fetched(b_, i, j, len_ref, fetch_ref)[0], 0
+    def step_block(i, j, fetch_ref):
+        return jnp.maximum(fetch_ref[i * nt + jnp.maximum(j - nc, 0)], 0)
+
+    def step_map(b_, h, i, j, len_ref, vis_ref, fetch_ref):
+        return b_, h, step_block(i, j, fetch_ref), 0
 
     def mask_map(b_, h, i, j, len_ref, vis_ref, fetch_ref):
-        return i, fetched(b_, i, j, len_ref, fetch_ref)[1]
+        return i, step_block(i, j, fetch_ref)
 
     tile_spec = pl.BlockSpec((None, None, bq, d), lambda b_, h, i, j, *_: (b_, h, i, 0))
-    kv_spec = pl.BlockSpec((None, None, bk, d), kv_map)
+    cache_spec = pl.BlockSpec((None, None, bk, d), cache_map)
+    step_spec = pl.BlockSpec((None, None, bk, d), step_map)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(b, hkv, bmap.q_blocks, nc + nt),
-        in_specs=[tile_spec, kv_spec, kv_spec, pl.BlockSpec((bq, bk), mask_map)],
+        in_specs=[tile_spec, cache_spec, cache_spec, step_spec, step_spec,
+                  pl.BlockSpec((bq, bk), mask_map)],
         out_specs=tile_spec,
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),
                         pltpu.VMEM((bq, LANES), jnp.float32),
@@ -254,29 +267,31 @@ def _tpu_call(q, k, v, cache_len, bmap: BlockMap, cache_padded: int, *, scale, p
         interpret=interpret,
         name="lookahead_attention_tpu",
     )(cache_len, jnp.asarray(bmap.tiles.reshape(-1), jnp.int32),
-      jnp.asarray(bmap.step_fetch.reshape(-1)), q, k, v, jnp.asarray(bmap.row_mask, jnp.int32))
+      jnp.asarray(bmap.step_fetch.reshape(-1)), q, ck, cv, sk, sv,
+      jnp.asarray(bmap.row_mask, jnp.int32))
 
 
 # -- the entry point -----------------------------------------------------------------------------
-def _lay_out_keys(x, cache_size: int, cache_padded: int, step_padded: int):
-    """[B, S+T, Hkv, D] -> [B, S'+T', Hkv, D]: the cache and the step each zero-padded to a
-    whole number of key blocks (no copy when both already are)."""
-    t = x.shape[1] - cache_size
-    if cache_padded == cache_size and step_padded == t:
+def _pad_axis(x, axis: int, size: int):
+    """x zero-padded along `axis` to `size` (no copy when it already has that size)."""
+    if x.shape[axis] == size:
         return x
-    pad = lambda a, n: jnp.pad(a, ((0, 0), (0, n), (0, 0), (0, 0)))  # noqa: E731
-    return jnp.concatenate([pad(x[:, :cache_size], cache_padded - cache_size),
-                            pad(x[:, cache_size:], step_padded - t)], axis=1)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad)
 
 
-def lookahead_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: StepMask, *,
+def lookahead_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: StepMask,
+                        cache_k: jax.Array, cache_v: jax.Array, *,
                         backend: str = "triton", interpret=False,
                         block_q: int | None = None, block_k: int | None = None,
                         platform: str | None = None) -> jax.Array:
     """Attention of one lookahead step, computing only tiles with a visible key.
 
-    q [B,T,H,D]; k/v [B,S+T,Hkv,D] (the cache's S slots, then the step's T tokens); mask a
-    `StepMask` (cache lengths [B], the step's layout, S). Returns [B,T,H,D] in q's dtype.
+    q [B,T,H,D]; k/v [B,T,Hkv,D] the step's K/V; cache_k/v [B,Hkv,S,D] one cache layer
+    (head-major, as `models.kv_cache.KVCache` holds it); mask a `StepMask` (cache lengths [B],
+    the step's layout, S). Returns [B,T,H,D] in q's dtype. The cache is passed to the kernel as
+    it lies (no copy when S is a multiple of block_k, which the engine's 128-slot caches are).
     backend: 'triton' (GPU) or 'mosaic_tpu' (TPU). interpret: run in the Pallas interpreter
     (True; or, for the TPU kernel, `pltpu.InterpretParams(...)`: the TPU interpreter).
     block_q counts query rows (token x head of a K/V group), block_k keys.
@@ -294,8 +309,11 @@ def lookahead_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: StepMask
     b, t, h, d = q.shape
     hkv = k.shape[2]
     s_size = mask.cache_size
-    if h % hkv or k.shape != (b, s_size + t, hkv, d) or v.shape != k.shape:
-        raise ValueError(f"shapes q {q.shape}, k {k.shape}, v {v.shape} do not fit a step of "
+    if (h % hkv or k.shape != (b, t, hkv, d) or v.shape != k.shape
+            or cache_k is None or cache_k.shape != (b, hkv, s_size, d)
+            or cache_v.shape != cache_k.shape):
+        raise ValueError(f"shapes q {q.shape}, k {k.shape}, v {v.shape}, cache "
+                         f"{None if cache_k is None else cache_k.shape} do not fit a step of "
                          f"{t} tokens after a cache of {s_size} slots")
     if mask.layout.size != t:
         raise ValueError(f"the mask's layout has {mask.layout.size} tokens, q has {t}")
@@ -305,35 +323,30 @@ def lookahead_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: StepMask
     if not interpret:
         _check_blocks(backend, bq, bk, d)
     bmap = BlockMap.of(mask.layout, group, bq, bk)
-    cache_padded = bmap.cache_padded(s_size)
     scale = 1.0 / math.sqrt(d)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
 
     # rows: token-major, the group's heads adjacent: [B, Hkv, T*group, D], padded
     rows = q.reshape(b, t, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * group, d)
-    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, bmap.rows_padded - t * group), (0, 0)))
-    dp = d
+    rows = _pad_axis(rows, 2, bmap.rows_padded)
+    ck, cv = (_pad_axis(x.astype(q.dtype), 2, bmap.cache_padded(s_size)) for x in (cache_k, cache_v))
+    sk, sv = (_pad_axis(x.transpose(0, 2, 1, 3), 2, bmap.step_padded) for x in (k, v))
     if backend == "triton" and (d & (d - 1) or d < 16):
         # Triton tiles are powers of two, and a dot's dimensions at least 16: zero-pad D
         dp = max(16, pl.next_power_of_2(d))
-        rows = jnp.pad(rows, ((0, 0),) * 3 + ((0, dp - d),))
-    keys, values = (_lay_out_keys(x, s_size, cache_padded, bmap.step_padded) for x in (k, v))
-    if dp != d:
-        keys, values = (jnp.pad(x, ((0, 0),) * 3 + ((0, dp - d),)) for x in (keys, values))
+        rows, ck, cv, sk, sv = (_pad_axis(x, 3, dp) for x in (rows, ck, cv, sk, sv))
     cache_len = mask.cache_len.astype(jnp.int32)
-    kw = dict(scale=scale, precision=precision, interpret=interpret)
-    if backend == "triton":
-        out = _triton_call(rows, keys, values, cache_len, bmap, cache_padded, **kw)
-    else:
-        out = _tpu_call(rows, keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3),
-                        cache_len, bmap, cache_padded, **kw)
+    call = _triton_call if backend == "triton" else _tpu_call
+    out = call(rows, ck, cv, sk, sv, cache_len, bmap, scale=scale, precision=precision,
+               interpret=interpret)
     out = out[:, :, : t * group, :d].reshape(b, hkv, t, group, d)
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
 
 
 @dataclasses.dataclass(frozen=True)
 class PallasAttention:
-    """An attention function fn(q, k, v, mask) for the model: the kernel for a lookahead step's
+    """An attention function fn(q, k, v, mask, cache_k, cache_v) for the model: the kernel for a
+    lookahead step's
     `StepMask`, the dense reference for any other mask (prefill, plain decoding). Hashable, so
     a decoding method holding it stays a valid static argument of `jax.jit`.
 
@@ -353,9 +366,9 @@ class PallasAttention:
         if self.platform is not None and not self.interpret:
             check_platform(self.backend, self.platform)
 
-    def __call__(self, q, k, v, mask):
+    def __call__(self, q, k, v, mask, cache_k=None, cache_v=None):
         if isinstance(mask, StepMask):
-            return lookahead_attention(q, k, v, mask, backend=self.backend,
+            return lookahead_attention(q, k, v, mask, cache_k, cache_v, backend=self.backend,
                                        interpret=self.interpret, block_q=self.block_q,
                                        block_k=self.block_k, platform=self.platform)
-        return dot_product_attention(q, k, v, mask)
+        return dot_product_attention(q, k, v, mask, cache_k, cache_v)

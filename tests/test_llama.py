@@ -72,9 +72,10 @@ def test_cache_write_drops_out_of_range_slots():
     out = KVCache.init(1, 2, 4, 1, 2).replace(length=jnp.asarray([3, 0]))
     out = out.append(kv, jnp.asarray([[0, 1], [2, 0]]), jnp.asarray([2, 1]))
     assert out.length.tolist() == [5, 1]
-    np.testing.assert_array_equal(out.k[0, 0, 3, 0], kv.k[0, 0, 0, 0])  # slot 4 dropped
+    # the cache is head-major: out.k[layer, row, head, slot]
+    np.testing.assert_array_equal(out.k[0, 0, 0, 3], kv.k[0, 0, 0, 0])  # slot 4 dropped
     np.testing.assert_array_equal(out.k[0, 1, 0, 0], kv.k[0, 1, 2, 0])
-    np.testing.assert_array_equal(out.k[0, 1, 1:], 0)
+    np.testing.assert_array_equal(out.k[0, 1, :, 1:], 0)
 
 
 def test_output_stops_at_any_eos_id_and_at_max_new_tokens():

@@ -51,12 +51,13 @@ HOST_BACKEND = KERNEL_BACKENDS.get(HOST)  # the kernel compiled on this host's d
 
 def qkv(layout: StepLayout, batch: int, cache_size: int, heads: int, kv_heads: int, dim: int,
         dtype, seed: int = 0):
+    """Random q [B,T,H,D], the step's k, v [B,T,Hkv,D] and a cache layer's ck, cv [B,Hkv,S,D]."""
     rng = np.random.default_rng(seed)
     t = layout.size
     q = rng.normal(size=(batch, t, heads, dim))
-    k = rng.normal(size=(batch, cache_size + t, kv_heads, dim))
-    v = rng.normal(size=(batch, cache_size + t, kv_heads, dim))
-    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+    k, v = (rng.normal(size=(batch, t, kv_heads, dim)) for _ in range(2))
+    ck, cv = (rng.normal(size=(batch, kv_heads, cache_size, dim)) for _ in range(2))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v, ck, cv))
 
 
 def kernel_mode(backend: str):
@@ -92,9 +93,10 @@ def kernel_device(mode):
         yield
 
 
-def dense_reference(q, k, v, mask):
+def dense_reference(q, k, v, mask, ck, cv):
     """The dense path in float32 (bf16 inputs are upcast: the kernel accumulates in float32)."""
-    return dense_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask)
+    q, k, v, ck, cv = (x.astype(jnp.float32) for x in (q, k, v, ck, cv))
+    return dense_attention(q, k, v, mask, ck, cv)
 
 
 # ------------------------------------------------------------------------- block map ---
@@ -174,12 +176,13 @@ def test_kernel_equals_dense_reference(name):
     bq, bk = kernel_blocks(backend, mode, bq, bk)
     layout = StepLayout(*wng)
     with kernel_device(mode):
-        q, k, v = qkv(layout, len(lens), s, h, hkv, d, dtype)
+        q, k, v, ck, cv = qkv(layout, len(lens), s, h, hkv, d, dtype)
         mask = StepMask(jnp.asarray(lens, jnp.int32), layout, s)
-        out = lookahead_attention(q, k, v, mask, backend=backend, interpret=mode, block_q=bq,
-                                  block_k=bk)
+        out = lookahead_attention(q, k, v, mask, ck, cv, backend=backend, interpret=mode,
+                                  block_q=bq, block_k=bk)
         assert out.shape == q.shape and out.dtype == q.dtype
-        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - dense_reference(q, k, v, mask))))
+        ref = dense_reference(q, k, v, mask, ck, cv)
+        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
     print(f"\n{name} ({'compiled' if mode is False else 'interpreted'}): T={layout.size} "
           f"max abs err {err:.2e}")
     assert err <= TOL[dtype], err
@@ -194,27 +197,28 @@ def test_skipped_cache_blocks_are_never_read(backend, bq, bk):
     layout = StepLayout(3, 3, 2)
     lens, s = [0, 5, 9], 300
     first_skipped = np.asarray([-(-n // bk) * bk for n in lens])
-    poison = (np.arange(s + layout.size)[None, :] >= first_skipped[:, None]) & (
-        np.arange(s + layout.size)[None, :] < s)
+    poison = np.arange(s)[None, :] >= first_skipped[:, None]  # [B, S] cache slots
     with kernel_device(mode):
-        q, k, v = qkv(layout, 3, s, 4, 2, 16, jnp.float32, seed=1)
+        q, k, v, ck, cv = qkv(layout, 3, s, 4, 2, 16, jnp.float32, seed=1)
         mask = StepMask(jnp.asarray(lens, jnp.int32), layout, s)
-        ref = dense_reference(q, k, v, mask)
-        k_bad, v_bad = (jnp.where(jnp.asarray(poison)[:, :, None, None], jnp.nan, x)
-                        for x in (k, v))
-        assert jnp.isnan(dense_attention(q, k_bad, v_bad, mask)).any()  # the dense path reads
-        out = lookahead_attention(q, k_bad, v_bad, mask, backend=backend, interpret=mode,
-                                  block_q=bq, block_k=bk)
+        ref = dense_reference(q, k, v, mask, ck, cv)
+        ck_bad, cv_bad = (jnp.where(jnp.asarray(poison)[:, None, :, None], jnp.nan, x)
+                          for x in (ck, cv))
+        # the dense path reads every slot
+        assert jnp.isnan(dense_attention(q, k, v, mask, ck_bad, cv_bad)).any()
+        out = lookahead_attention(q, k, v, mask, ck_bad, cv_bad, backend=backend,
+                                  interpret=mode, block_q=bq, block_k=bk)
         assert float(jnp.max(jnp.abs(out - ref))) <= 1e-5
 
 
 def test_kernel_attention_fn_is_dense_for_other_masks():
     """Prefill and plain decoding pass dense masks: the same function serves them densely."""
     layout = StepLayout(2, 2, 0)
-    q, k, v = qkv(layout, 2, 6, 2, 1, 8, jnp.float32)
+    q, k, v, ck, cv = qkv(layout, 2, 6, 2, 1, 8, jnp.float32)
     dense_mask = jnp.asarray(np.random.default_rng(2).random((2, 2, 8)) < 0.6)
     fn = PallasAttention("triton", interpret=True)
-    assert (fn(q, k, v, dense_mask) == dot_product_attention(q, k, v, dense_mask)).all()
+    assert (fn(q, k, v, dense_mask, ck, cv)
+            == dot_product_attention(q, k, v, dense_mask, ck, cv)).all()
     assert hash(fn) == hash(PallasAttention("triton", interpret=True))  # a valid jit static
 
 
@@ -224,20 +228,20 @@ def test_compiled_kernels_raise_off_their_platform():
     """A compiled kernel refuses a platform that is not its own: jax's default backend (for
     each kernel whose platform this host is not), or a platform named (on any host)."""
     layout = StepLayout(2, 2, 1)
-    q, k, v = qkv(layout, 1, 4, 2, 2, 8, jnp.float32)
+    q, k, v, ck, cv = qkv(layout, 1, 4, 2, 2, 8, jnp.float32)
     mask = StepMask(jnp.asarray([2], jnp.int32), layout, 4)
     off_host = [b for b in la.BACKENDS if HOST not in la.PLATFORM_OF[b]]
     if not off_host:
         pytest.skip(f"every kernel's platform is this host's ({HOST!r})")
     for backend in off_host:
         with pytest.raises(KernelUnavailable, match="needs platform"):
-            lookahead_attention(q, k, v, mask, backend=backend)
+            lookahead_attention(q, k, v, mask, ck, cv, backend=backend)
         with pytest.raises(KernelUnavailable):
-            PallasAttention(backend)(q, k, v, mask)
+            PallasAttention(backend)(q, k, v, mask, ck, cv)
     for backend, other in (("triton", "tpu"), ("mosaic_tpu", "cuda"), ("mosaic_tpu", "gpu"),
                            ("triton", "cpu")):
         with pytest.raises(KernelUnavailable, match=f"this is {other!r}"):
-            lookahead_attention(q, k, v, mask, backend=backend, platform=other)
+            lookahead_attention(q, k, v, mask, ck, cv, backend=backend, platform=other)
         with pytest.raises(KernelUnavailable, match="needs platform"):
             PallasAttention(backend, platform=other)  # a platform named is checked at once
     with pytest.raises(KernelUnavailable, match="GPU .* or TPU"):
@@ -317,12 +321,14 @@ def export_kernel(layout: StepLayout, b: int, s: int, h: int, hkv: int, d: int, 
                   backend: str, platform: str, block_q=None, block_k=None):
     """The compiled kernel for one step shape, exported for `platform`."""
     args = (jax.ShapeDtypeStruct((b, layout.size, h, d), dtype),
-            jax.ShapeDtypeStruct((b, s + layout.size, hkv, d), dtype),
-            jax.ShapeDtypeStruct((b, s + layout.size, hkv, d), dtype),
+            jax.ShapeDtypeStruct((b, layout.size, hkv, d), dtype),
+            jax.ShapeDtypeStruct((b, layout.size, hkv, d), dtype),
+            jax.ShapeDtypeStruct((b, hkv, s, d), dtype),
+            jax.ShapeDtypeStruct((b, hkv, s, d), dtype),
             jax.ShapeDtypeStruct((b,), jnp.int32))
 
-    def f(q, k, v, lens):
-        return lookahead_attention(q, k, v, StepMask(lens, layout, s), backend=backend,
+    def f(q, k, v, ck, cv, lens):
+        return lookahead_attention(q, k, v, StepMask(lens, layout, s), ck, cv, backend=backend,
                                    block_q=block_q, block_k=block_k, platform=platform)
 
     return export_for(jax.jit(f), platform, *args)

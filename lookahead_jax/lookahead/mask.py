@@ -57,7 +57,9 @@ def as_dense(mask) -> jax.Array:
     return mask.dense() if isinstance(mask, StepMask) else mask
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask) -> jax.Array:
-    """The dense reference for any mask: q [B,T,H,D], k/v [B,S+T,Hkv,D], mask a `StepMask` or
-    [B,T,S+T] bool -> [B,T,H,D]."""
-    return dot_product_attention(q, k, v, as_dense(mask))
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask,
+                    cache_k: jax.Array | None = None, cache_v: jax.Array | None = None
+                    ) -> jax.Array:
+    """The dense reference for any mask: q [B,T,H,D], k/v [B,T,Hkv,D] (the new tokens),
+    cache_k/v [B,Hkv,S,D] or None, mask a `StepMask` or [B,T,S+T] bool -> [B,T,H,D]."""
+    return dot_product_attention(q, k, v, as_dense(mask), cache_k, cache_v)

@@ -97,6 +97,8 @@ class LookaheadDrafter(nnx.Module):
             last = self.layers[n_full]
             k, v = last.self_attn.key_value(last.input_layernorm(x[:, :-1]), cos[:, :-1],
                                             sin[:, :-1])
+            # the other positions' K/V serve as the last position's cache (head-major)
+            k, v = (a.transpose(0, 2, 1, 3) for a in (k, v))
             x, _ = last(x[:, -1:], cos[:, -1:], sin[:, -1:], mask[:, -1:], k, v,
                         dot_product_attention)
         b, t, _ = x.shape

@@ -166,8 +166,8 @@ def commit_root(cache: KVCache, tree: LoopTree, rows: jax.Array) -> KVCache:
     src = tree.scratch_positions(cache)[tree.root]  # [B]
     dst = jnp.where(rows, cache.length, cache.max_len)
     r = jnp.arange(b)
-    k = cache.k.at[:, r, dst].set(cache.k[:, r, src], mode="drop")
-    v = cache.v.at[:, r, dst].set(cache.v[:, r, src], mode="drop")
+    k = cache.k.at[:, r, :, dst].set(cache.k[:, r, :, src], mode="drop")
+    v = cache.v.at[:, r, :, dst].set(cache.v[:, r, :, src], mode="drop")
     return cache.replace(k=k, v=v, length=cache.length + rows.astype(jnp.int32))
 
 

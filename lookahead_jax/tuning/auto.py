@@ -1,4 +1,4 @@
-"""Automatic W, N, G: the settings the scaling law and this device's step cost predict fastest.
+"""Automatic method and W, N, G: what the scaling law and the device's step cost predict fastest.
 
 Lookahead decoding's speed-up over plain decoding is S / c: S tokens per step (the scaling
 law, `lookahead_jax.tuning.scaling_law`, with (a, f) fitted to a measured sweep) at a step cost of
@@ -15,6 +15,16 @@ ranks a grid of (W, N, G = W) candidates by predicted speed-up and returns the b
 The candidates keep G = W, as the paper's settings do: the law has no W term (W only fills
 the n-gram pool that the G candidates are drawn from), so letting G run free of W would make
 it prefer W = 1 with many candidates, which a real pool cannot feed.
+Where the curve comes from: measured on the current device (the default), or, for a device
+this host is not (`device=` a `lookahead_jax.tuning.roofline.Device` or its name), predicted
+by the roofline model from the compiled program of this model's shape
+(`lookahead_jax.tuning.program_cost`). The report says which, and which scaling-law fit.
+
+Asked for the fastest, a user never gets a method predicted slower than plain decoding: when no
+lookahead setting is predicted at least `min_speedup` (default 1.05, a margin for the
+prediction's error) times faster, the choice is prompt lookup if that is predicted to clear the
+same bar, else plain decoding (`AutoChoice.method`), and the report says why.
+
 `python -m lookahead_jax.decode --auto` does the same and prints the report on stderr.
 """
 
@@ -23,14 +33,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Mapping, Sequence
 
+import jax
+
 from lookahead_jax.lookahead.config import LookaheadConfig
 from lookahead_jax.lookahead.layout import tokens_per_step
+from lookahead_jax.tuning import program_cost, roofline
 from lookahead_jax.tuning.scaling_law import ScalingFit, default_fit, load_fit
 from lookahead_jax.tuning.step_cost import measure_step_cost, relative_cost
 from models.config import ConfigError
 
 GRID_W = (1, 2, 3, 4, 5, 7, 10, 15, 20)
 GRID_N = (3, 4, 5, 6)
+MIN_SPEEDUP = 1.05  # a method other than plain decoding must be predicted at least this fast
+# Prompt lookup (its default 10 draft tokens): tokens per step, the lowest over MT-Bench,
+# HumanEval, GSM8K, MBPP, ClassEval in the committed SmolLM2 suite (`python -m benchmarks.suite`,
+# suite_smollm2_135m.json; MT-Bench: 1.12; the others 1.35-4.09). The lowest, because prompt lookup pays only where the output
+# copies the prompt, which chat rarely does.
+PROMPT_LOOKUP_S = 1.12
+PROMPT_LOOKUP_TOKENS = 11  # 1 + 10 draft tokens per step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +73,20 @@ class Candidate:
 
 @dataclasses.dataclass
 class AutoChoice:
-    """The chosen settings and why: every candidate ranked (best first), the fit and the
-    step-cost curve (tokens -> seconds) behind the ranking, and the cache length measured at."""
+    """The chosen method ('lookahead', 'prompt_lookup' or 'ar') and why: every lookahead
+    candidate ranked (best first; `config` is the best's settings, used when the method is
+    lookahead), prompt lookup's predicted speed-up, the fit and the step-cost curve (tokens ->
+    seconds) behind the ranking, where the curve came from, and the cache length it is for."""
 
     config: LookaheadConfig
     candidates: list[Candidate]
     fit: ScalingFit
     step_costs: dict[int, float]
     cache_len: int
+    method: str = "lookahead"
+    prompt_lookup_speedup: float = 0.0
+    curve_source: str = "given"
+    min_speedup: float = MIN_SPEEDUP
 
     @property
     def best(self) -> Candidate:
@@ -72,22 +98,34 @@ class AutoChoice:
         ts = sorted(self.step_costs)
         mono = monotone_costs(self.step_costs)
         curve = ", ".join(f"{t}: {mono[t] / mono[ts[0]]:.2f}" for t in ts)
-        lines = [f"auto: lookahead W={b.W} N={b.N} G={b.G}: predicted S {b.S:.2f} at a step "
-                 f"cost of {b.cost:.2f} one-token steps ({b.tokens} tokens) -> predicted "
-                 f"speed-up {b.speedup:.2f}x over plain decoding",
-                 f"auto: scaling law a={self.fit.a:.3f} f={self.fit.f:.2f} "
-                 f"({self.fit.source or 'given'}); step cost at cache length {self.cache_len}, "
-                 f"tokens: x one-token step = {curve}"]
-        if b.speedup < 1:
-            lines.append("auto: no lookahead setting is predicted faster than plain decoding "
-                         "on this device (--method=ar is)")
+        best = (f"lookahead W={b.W} N={b.N} G={b.G}: predicted S {b.S:.2f} at a step cost of "
+                f"{b.cost:.2f} one-token steps ({b.tokens} tokens) -> predicted speed-up "
+                f"{b.speedup:.2f}x over plain decoding")
+        pl = (f"prompt lookup: predicted S {PROMPT_LOOKUP_S:.2f} at a step cost of "
+              f"{relative_cost(mono, PROMPT_LOOKUP_TOKENS):.2f} -> "
+              f"{self.prompt_lookup_speedup:.2f}x")
+        if self.method == "lookahead":
+            lines = [f"auto: {best}"]
+        elif self.method == "prompt_lookup":
+            lines = [f"auto: --method=prompt_lookup, {pl}: the best lookahead setting is not "
+                     f"predicted {self.min_speedup:.2f}x faster than plain decoding ({best})"]
+        else:
+            lines = [f"auto: plain decoding (--method=ar): neither the best lookahead setting "
+                     f"nor prompt lookup is predicted {self.min_speedup:.2f}x faster than it "
+                     f"on this device; the best {best}; {pl}"]
+        lines.append(f"auto: scaling law a={self.fit.a:.3f} f={self.fit.f:.2f} "
+                     f"({self.fit.source or 'given'}); step cost {self.curve_source}, at cache "
+                     f"length {self.cache_len}, tokens: x one-token step = {curve}")
         lines.append("auto: best candidates: " + "; ".join(
             f"{c.label} S {c.S:.2f} / cost {c.cost:.2f} = {c.speedup:.2f}x"
             for c in self.candidates[:top]))
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"config": dataclasses.asdict(self.config), "fit": self.fit.to_dict(),
+        return {"method": self.method, "config": dataclasses.asdict(self.config),
+                "prompt_lookup_speedup": self.prompt_lookup_speedup,
+                "curve_source": self.curve_source, "min_speedup": self.min_speedup,
+                "fit": self.fit.to_dict(),
                 "step_cost_s": {str(k): v for k, v in self.step_costs.items()},
                 "cache_len": self.cache_len,
                 "candidates": [dataclasses.asdict(c) for c in self.candidates]}
@@ -166,19 +204,51 @@ def resolve_fit(fit: ScalingFit | str | None) -> ScalingFit:
         raise ConfigError(str(e)) from None
 
 
+def predicted_step_costs(model_config, token_counts: Sequence[int], *, cache_len: int,
+                         device, itemsize: int = 2) -> dict[int, float]:
+    """The step-cost curve of a model of `model_config`'s shape on `device` (a roofline
+    `Device` or its name), predicted: seconds of one forward pass of T tokens after `cache_len`
+    committed ones (the compiled program's cost, `program_cost.forward_cost`, on the roofline,
+    `roofline.predict_step_time`), for each T. itemsize: bytes per weight and cache element
+    on the device (2: bfloat16)."""
+    dev = roofline.device(device) if isinstance(device, str) else device
+    layers = getattr(model_config, "num_layers", 1)
+    return {int(t): roofline.predict_step_time(
+                program_cost.forward_cost(model_config, tokens=int(t), cache_len=cache_len),
+                dev, itemsize, layers=layers)
+            for t in token_counts}
+
+
+def choose_method(ranked: Sequence[Candidate], step_costs: Mapping[int, float], *,
+                  min_speedup: float = MIN_SPEEDUP) -> tuple[str, float]:
+    """('lookahead' | 'prompt_lookup' | 'ar', prompt lookup's predicted speed-up): lookahead
+    when its best candidate is predicted at least `min_speedup` times faster than plain
+    decoding (and not slower than prompt lookup), else prompt lookup when it is, else plain."""
+    costs = monotone_costs(step_costs)
+    pl = PROMPT_LOOKUP_S / relative_cost(costs, PROMPT_LOOKUP_TOKENS)
+    best = ranked[0].speedup if ranked else 0.0
+    if best >= min_speedup and best >= pl:
+        return "lookahead", pl
+    if pl >= min_speedup:
+        return "prompt_lookup", pl
+    return "ar", pl
+
+
 def choose_settings(engine, *, prompt_len: int = 64, max_new_tokens: int = 128,
                     fit: ScalingFit | str | None = None,
                     grid: Sequence[tuple[int, int, int]] | None = None,
                     base: LookaheadConfig | None = None,
                     step_costs: Mapping[int, float] | None = None,
+                    device=None, min_speedup: float = MIN_SPEEDUP,
                     repeats: int = 5) -> AutoChoice:
-    """Measures the step-cost curve of `engine`'s model on the current device (unless
-    `step_costs` is given), ranks `grid` (default `candidate_grid()`) with `fit` (a
-    ScalingFit or a JSON path; default `resolve_fit(None)`) and returns the fastest predicted.
+    """Ranks `grid` (default `candidate_grid()`) with `fit` (a ScalingFit or a JSON path;
+    default `resolve_fit(None)`) on a step-cost curve and chooses the method (`choose_method`).
 
-    The curve is measured at cache length prompt_len + max_new_tokens // 2 (the middle of a
-    generation). The chosen config keeps `base`'s other fields (pool, prompt seeding;
-    default: engine.lookahead, else LookaheadConfig's defaults)."""
+    The curve: `step_costs` when given; else predicted for `device` (a roofline `Device` or its
+    name) when given; else measured on the current device with `engine`'s model. It is taken
+    at cache length prompt_len + max_new_tokens // 2 (the middle of a generation). The chosen
+    config keeps `base`'s other fields (pool, prompt seeding; default: engine.lookahead, else
+    LookaheadConfig's defaults)."""
     fit = resolve_fit(fit)
     grid = list(grid) if grid is not None else candidate_grid()
     if not grid:
@@ -189,14 +259,24 @@ def choose_settings(engine, *, prompt_len: int = 64, max_new_tokens: int = 128,
     if not fitting:
         raise ConfigError(f"auto: no candidate's step fits the model's {limit} positions")
     cache_len = max(1, int(prompt_len) + int(max_new_tokens) // 2)
-    if step_costs is None:
-        step_costs = measure_step_cost(engine.graphdef, engine.params,
-                                       tokens_to_measure(fitting, devices),
+    points = sorted(set(tokens_to_measure(fitting, devices)) | {PROMPT_LOOKUP_TOKENS})
+    if step_costs is not None:
+        source = "given"
+    elif device is not None:
+        step_costs = predicted_step_costs(engine.config, points, cache_len=cache_len,
+                                          device=device)
+        name = device if isinstance(device, str) else device.name
+        source = f"predicted for {name} by the roofline model"
+    else:
+        step_costs = measure_step_cost(engine.graphdef, engine.params, points,
                                        cache_len=cache_len, repeats=repeats)
+        source = (f"measured on this {jax.default_backend()} device "
+                  f"({jax.devices()[0].device_kind})")
     ranked = rank(fit, step_costs, fitting, devices=devices)
+    method, pl = choose_method(ranked, step_costs, min_speedup=min_speedup)
     base = base or getattr(engine, "lookahead", None) or LookaheadConfig()
     b = ranked[0]
     pool_slots = base.pool_slots if base.pool_slots == 0 or base.pool_slots >= b.G else 0
     config = dataclasses.replace(base, W=b.W, N=b.N, G=b.G, pool_slots=pool_slots)
     return AutoChoice(config, ranked, fit, {int(k): float(v) for k, v in step_costs.items()},
-                      cache_len)
+                      cache_len, method, pl, source, min_speedup)

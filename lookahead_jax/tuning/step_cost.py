@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.kv_cache import KVCache
 from models.layers import causal_mask
 
 
@@ -37,10 +36,8 @@ def measure_step_cost(graphdef: nnx.GraphDef, params: nnx.State, token_counts: S
                       cache_len: int = 256, repeats: int = 5) -> dict[int, float]:
     """Median seconds of one forward pass of T tokens (all with logits) after `cache_len`
     committed tokens, for each T in token_counts. Compile time excluded."""
-    model_cfg = nnx.merge(graphdef, params).config
     size = -(-(cache_len + 1) // 128) * 128
-    cache = KVCache.init(model_cfg.num_layers, 1, size, model_cfg.num_kv_heads,
-                         model_cfg.head_dim, jax.tree.leaves(params)[0].dtype)
+    cache = nnx.merge(graphdef, params).init_cache(1, size, jax.tree.leaves(params)[0].dtype)
     cache = cache.replace(length=jnp.full((1,), cache_len, jnp.int32))
     fwd = _forward_fn(graphdef)
     out = {}
