@@ -35,7 +35,7 @@ from typing import Any, Sequence
 from benchmarks import common
 from lookahead_jax.store.presets import load_preset
 from lookahead_jax.tuning import roofline as rf
-from lookahead_jax.tuning.program_cost import ProgramCost, forward_cost, method_cost
+from lookahead_jax.tuning.program_cost import ATTENTIONS, ProgramCost, forward_cost, method_cost
 from lookahead_jax.tuning.scaling_law import ScalingFit, default_fit
 from models.config import LoopedConfig
 
@@ -88,9 +88,13 @@ class Costs:
             self.compile_s += time.perf_counter() - t0
         return self._memo[key]
 
-    def method(self, preset: str, method: str, settings: tuple, cache_len: int) -> ProgramCost:
-        return self._get((preset, method, settings, cache_len), lambda: method_cost(
-            load_preset(preset).model, method, dict(settings), cache_len=cache_len))
+    def method(self, preset: str, method: str, settings: tuple, cache_len: int,
+               attention: str = "dense") -> ProgramCost:
+        """attention: 'dense' (the dense path's program) or 'fused' (the Pallas kernel's
+        traffic: `program_cost.fused_attention_traffic`)."""
+        return self._get((preset, method, settings, cache_len, attention), lambda: method_cost(
+            load_preset(preset).model, method, dict(settings), cache_len=cache_len,
+            attention=ATTENTIONS[attention]))
 
     def loop(self, preset: str, tokens: int, cache_len: int) -> ProgramCost:
         """One loop of a looped preset at `tokens` nodes per call."""
@@ -171,20 +175,28 @@ def preset_rows(costs: Costs, presets, devices, cache_len, measured, fit,
         cfg = load_preset(name).model
         layers = layers_of(cfg)
         plain = costs.method(name, "ar", (), cache_len)
+        plain_k = costs.method(name, "ar", (), cache_len, "fused")
         for dev in devices:
             t_plain = rf.predict_step_time(plain, dev, layers=layers)
             bare_plain = rf.roofline_time(plain, dev)
             nbytes = rf.model_bytes(plain)
             for method, settings in settings_list:
                 cost = costs.method(name, method, settings, cache_len)
+                kernel = costs.method(name, method, settings, cache_len, "fused")
                 t = rf.predict_step_time(cost, dev, layers=layers)
                 S, src = s_of(method, settings, measured, fit)
+                t_k, t_plain_k = (rf.predict_step_time(c, dev, layers=layers)
+                                  for c in (kernel, plain_k))
                 rows.append(dict(
                     preset=name, device=dev.name, setting=label(method, settings),
                     tokens=cost.tokens, plain_tokens_per_s=1.0 / t_plain, step_ms=1e3 * t,
                     step_in_plain=t / t_plain, S=S, S_source=src,
                     speedup=rf.speedup(S, t_plain, t),
                     speedup_bare=rf.speedup(S, bare_plain, rf.roofline_time(cost, dev)),
+                    kernel_step_in_plain=t_k / t_plain_k,
+                    speedup_kernel=rf.speedup(S, t_plain_k, t_k),
+                    speedup_kernel_bare=rf.speedup(S, rf.roofline_time(plain_k, dev),
+                                                   rf.roofline_time(kernel, dev)),
                     bound=rf.bound(cost, dev), model_gb=nbytes / 1e9,
                     fits=rf.fits(nbytes, dev)))
     return rows
@@ -453,12 +465,18 @@ def render(rec: dict) -> str:
             "S: measured on SmolLM2-135M (pooled over MT-Bench, HumanEval, GSM8K) where the "
             "committed runs have the setting, else the default scaling-law fit; a bigger model "
             "accepts more, so S is likely low for the 7B-70B shapes. 'fits': bfloat16 weights "
-            "+ the cache in the device's memory.", "",
+            "+ the cache in the device's memory. 'step ms' .. 'bare': the dense attention's "
+            "program (what the paper's stack ran, and `--attention=dense`); 'kernel' columns: "
+            "the attention counted as a fused kernel's traffic (the Pallas kernel, "
+            "`--attention=auto` on a GPU or TPU; `program_cost.fused_attention_traffic`).", "",
             t(["preset", "device", "setting", "T", "plain tok/s", "step ms", "step in plain",
-               "S", "speed-up", "bare", "bound", "GB", "fits", "S from"],
+               "S", "speed-up", "bare", "kernel: step in plain", "kernel: speed-up",
+               "kernel: bare", "bound", "GB", "fits", "S from"],
               [[r["preset"], r["device"], r["setting"], r["tokens"],
                 f2(r["plain_tokens_per_s"], 1), f2(r["step_ms"]), f2(r["step_in_plain"]),
-                f2(r["S"]), f2(r["speedup"]), f2(r["speedup_bare"]), r["bound"],
+                f2(r["S"]), f2(r["speedup"]), f2(r["speedup_bare"]),
+                f2(r["kernel_step_in_plain"]), f2(r["speedup_kernel"]),
+                f2(r["speedup_kernel_bare"]), r["bound"],
                 f2(r["model_gb"], 1), "yes" if r["fits"] else "no", r["S_source"]]
                for r in rec["presets"]]), ""]
     if rec["paper"]:

@@ -224,11 +224,19 @@ def test_auto_predicts_for_a_device_with_the_roofline():
     grid = auto.candidate_grid((1, 7, 15), (5,))
     choice = auto.choose_settings(Engine7B(), prompt_len=256, max_new_tokens=256, grid=grid,
                                   device="A100 80GB SXM")
-    assert choice.curve_source == "predicted for A100 80GB SXM by the roofline model"
+    assert choice.curve_source == ("predicted for A100 80GB SXM by the roofline model "
+                                   "(dense attention)")
     assert choice.method == "lookahead" and choice.best.W == 15
     costs = auto.monotone_costs(choice.step_costs)
     assert costs[max(costs)] / costs[1] < 1.5  # (15,5,15): 120 tokens
     assert "predicted for A100 80GB SXM" in choice.report()
+    # with the kernel (--attention=auto on the GPU) the wide step moves fewer bytes
+    Engine7B.attention = "auto"
+    kernel = auto.choose_settings(Engine7B(), prompt_len=256, max_new_tokens=256, grid=grid,
+                                  device="A100 80GB SXM")
+    assert kernel.curve_source.endswith("(the Pallas kernel)")
+    k = auto.monotone_costs(kernel.step_costs)
+    assert k[max(k)] / k[1] < costs[max(costs)] / costs[1]
 
 
 def test_auto_on_this_cpu_is_never_slower_than_plain_decoding():

@@ -79,3 +79,19 @@ def test_costs_scale_with_element_size_and_loops():
     assert one.scaled_bytes(2) == pytest.approx(one.bytes_accessed / 2)
     d = one.to_dict()
     assert d["ideal_bytes"] == one.ideal_bytes and d["itemsize"] == 4
+
+
+def test_program_cost_benchmark_quick(tmp_path):
+    import json
+
+    from benchmarks import program_cost as bench
+
+    rec = bench.run(bench.parse_args(["--quick", "--out", str(tmp_path)]))
+    data = json.loads((tmp_path / "program_cost.json").read_text())
+    assert {(r["attention"], r["setting"]) for r in data["rows"]} == {
+        (a, s) for a in ("dense", "fused") for s in ("plain", "(5,3,5)")}
+    plain = [r for r in rec["rows"] if r["setting"] == "plain"]
+    assert all(r["over_plain"] == 1.0 for r in plain)
+    assert all(0.95 <= r["excess"] <= 1.05 for r in plain)  # SmolLM2 too: read once
+    md = (tmp_path / "program_cost.md").read_text()
+    assert md.startswith("# Program cost of one step") and "| smollm2_135m | 128 |" in md

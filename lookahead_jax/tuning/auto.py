@@ -205,16 +205,19 @@ def resolve_fit(fit: ScalingFit | str | None) -> ScalingFit:
 
 
 def predicted_step_costs(model_config, token_counts: Sequence[int], *, cache_len: int,
-                         device, itemsize: int = 2) -> dict[int, float]:
+                         device, itemsize: int = 2, kernel: bool = True) -> dict[int, float]:
     """The step-cost curve of a model of `model_config`'s shape on `device` (a roofline
     `Device` or its name), predicted: seconds of one forward pass of T tokens after `cache_len`
     committed ones (the compiled program's cost, `program_cost.forward_cost`, on the roofline,
     `roofline.predict_step_time`), for each T. itemsize: bytes per weight and cache element
-    on the device (2: bfloat16)."""
+    on the device (2: bfloat16). kernel: count the attention as the fused Pallas kernel's
+    traffic (what `--attention=auto` runs on a GPU or TPU), else as the dense path's."""
     dev = roofline.device(device) if isinstance(device, str) else device
     layers = getattr(model_config, "num_layers", 1)
+    attention = program_cost.ATTENTIONS["fused" if kernel else "dense"]
     return {int(t): roofline.predict_step_time(
-                program_cost.forward_cost(model_config, tokens=int(t), cache_len=cache_len),
+                program_cost.forward_cost(model_config, tokens=int(t), cache_len=cache_len,
+                                          attention=attention),
                 dev, itemsize, layers=layers)
             for t in token_counts}
 
@@ -263,10 +266,12 @@ def choose_settings(engine, *, prompt_len: int = 64, max_new_tokens: int = 128,
     if step_costs is not None:
         source = "given"
     elif device is not None:
+        kernel = getattr(engine, "attention", "dense") != "dense"
         step_costs = predicted_step_costs(engine.config, points, cache_len=cache_len,
-                                          device=device)
+                                          device=device, kernel=kernel)
         name = device if isinstance(device, str) else device.name
-        source = f"predicted for {name} by the roofline model"
+        source = (f"predicted for {name} by the roofline model ("
+                  f"{'the Pallas kernel' if kernel else 'dense attention'})")
     else:
         step_costs = measure_step_cost(engine.graphdef, engine.params, points,
                                        cache_len=cache_len, repeats=repeats)
