@@ -33,6 +33,7 @@ import time
 from typing import Any, Sequence
 
 from benchmarks import common
+from lookahead_jax.prompt_lookup import DEFAULT_TOKENS
 from lookahead_jax.store.presets import load_preset
 from lookahead_jax.tuning import roofline as rf
 from lookahead_jax.tuning.program_cost import ATTENTIONS, ProgramCost, forward_cost, method_cost
@@ -48,7 +49,7 @@ SETTINGS = (("ar", ()), ("lookahead", (("W", 15), ("N", 5), ("G", 15))),
             ("lookahead", (("W", 10), ("N", 5), ("G", 10))),
             ("lookahead", (("W", 7), ("N", 5), ("G", 7))),
             ("lookahead", (("W", 5), ("N", 3), ("G", 5))),
-            ("prompt_lookup", (("max_draft", 10),)))
+            ("prompt_lookup", (("num_tokens", DEFAULT_TOKENS),)))
 S_DATASETS = ("mt_bench", "humaneval", "gsm8k")  # the sets every committed SmolLM2 run has
 CALIBRATION = ("llama7b", (("W", 15), ("N", 5), ("G", 15)), "A100 80GB SXM")
 SWEEP_W = (1, 2, 3, 5, 7, 10, 15)
@@ -61,7 +62,7 @@ def label(method: str, settings: tuple) -> str:
     if method == "lookahead":
         return f"lookahead ({s['W']},{s['N']},{s['G']})"
     if method == "prompt_lookup":
-        return f"prompt_lookup {s.get('max_draft', 10)}"
+        return f"prompt_lookup {s.get('num_tokens', DEFAULT_TOKENS)}"
     return method
 
 
@@ -145,7 +146,7 @@ def measured_runs(results: str) -> dict[str, dict]:
             k = key(m)
             if k is None or "+prompt" in m:
                 continue
-            lab = f"lookahead {k}" if k.startswith("(") else "prompt_lookup 10"
+            lab = f"lookahead {k}" if k.startswith("(") else f"prompt_lookup {DEFAULT_TOKENS}"
             rec = _pooled(d["summary"], m)
             if lab in out or rec is None or plain is None:
                 continue

@@ -63,7 +63,8 @@ def test_step_shapes():
     assert la.tokens == 120 and la.layout == StepLayout(15, 5, 15)
     assert la.logits_rows == 1 + 15 + 15 * 4
     assert pc.step_shape("ar") == pc.StepShape(1)
-    assert pc.step_shape("prompt_lookup", dict(max_draft=7)).tokens == 8
+    assert pc.step_shape("prompt_lookup", dict(num_tokens=7)).tokens == 8
+    assert pc.step_shape("prompt_lookup").tokens == 11  # the method's default 10-token draft
     with pytest.raises(ConfigError, match="no step shape"):
         pc.step_shape("loopspec")
     with pytest.raises(ConfigError):

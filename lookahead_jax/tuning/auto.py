@@ -37,6 +37,7 @@ import jax
 
 from lookahead_jax.lookahead.config import LookaheadConfig
 from lookahead_jax.lookahead.layout import tokens_per_step
+from lookahead_jax.prompt_lookup import DEFAULT_TOKENS as PROMPT_LOOKUP_DRAFT
 from lookahead_jax.tuning import program_cost, roofline
 from lookahead_jax.tuning.scaling_law import ScalingFit, default_fit, load_fit
 from lookahead_jax.tuning.step_cost import measure_step_cost, relative_cost
@@ -47,10 +48,10 @@ GRID_N = (3, 4, 5, 6)
 MIN_SPEEDUP = 1.05  # a method other than plain decoding must be predicted at least this fast
 # Prompt lookup (its default 10 draft tokens): tokens per step, the lowest over MT-Bench,
 # HumanEval, GSM8K, MBPP, ClassEval in the committed SmolLM2 suite (`python -m benchmarks.suite`,
-# suite_smollm2_135m.json; MT-Bench: 1.12; the others 1.35-4.09). The lowest, because prompt lookup pays only where the output
-# copies the prompt, which chat rarely does.
+# suite_smollm2_135m.json; MT-Bench: 1.12; the others 1.35-4.09). The lowest, because prompt
+# lookup pays only where the output copies the prompt, which chat rarely does.
 PROMPT_LOOKUP_S = 1.12
-PROMPT_LOOKUP_TOKENS = 11  # 1 + 10 draft tokens per step
+PROMPT_LOOKUP_TOKENS = 1 + PROMPT_LOOKUP_DRAFT  # tokens per step: the current one + the draft
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,17 +36,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lookahead_jax.generation import cache_length_for
 from lookahead_jax.lookahead.config import LookaheadConfig
 from lookahead_jax.lookahead.layout import StepLayout
 from lookahead_jax.lookahead.mask import StepMask, dense_attention
+from lookahead_jax.prompt_lookup import DEFAULT_TOKENS
 from models.build import build_looped
 from models.config import ConfigError, LlamaConfig, LoopedConfig
 from models.kv_cache import KVCache
 from models.layers import causal_mask
 from models.llama import Llama
-
-CACHE_ALIGN = 128  # the slots a cache is allocated in (as the engine does)
-
 
 @dataclasses.dataclass(frozen=True)
 class ProgramCost:
@@ -103,11 +102,6 @@ def abstract_model(model_config: LlamaConfig | LoopedConfig, dtype=jnp.float32):
     return nnx.split(nnx.eval_shape(make))
 
 
-def cache_size_for(cache_len: int, tokens: int) -> int:
-    """Slots allocated for `cache_len` committed tokens and a step of `tokens` (whole blocks)."""
-    return -(-(cache_len + tokens) // CACHE_ALIGN) * CACHE_ALIGN
-
-
 def _nbytes(tree) -> int:
     return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
@@ -134,7 +128,8 @@ def forward_cost(model_config: LlamaConfig | LoopedConfig, *, tokens: int, cache
         raise ConfigError("program cost: loops= is for looped models")
     dtype = _dtype(dtype)
     graphdef, params = abstract_model(model_config, dtype)
-    size = cache_size_for(cache_len, tokens)
+    # the slots the engine allocates for `cache_len` committed tokens and a step of `tokens`
+    size = cache_length_for(cache_len, 0, tokens, model_config.max_position_embeddings)
     layers = model_config.cache_slots if looped else model_config.num_layers
     cache = jax.eval_shape(lambda: KVCache.init(layers, batch, size, model_config.num_kv_heads,
                                                 model_config.head_dim, dtype,
@@ -204,7 +199,7 @@ class StepShape:
 
 def step_shape(method: str, settings: Mapping[str, Any] | None = None) -> StepShape:
     """The forward pass of one step of `method` ('ar', 'lookahead', 'prompt_lookup') with
-    `settings` (lookahead: W, N, G; prompt_lookup: max_draft, default 10)."""
+    `settings` (lookahead: W, N, G; prompt_lookup: num_tokens, the method's default draft)."""
     settings = dict(settings or {})
     if method in ("ar", "plain"):
         return StepShape(1)
@@ -213,7 +208,7 @@ def step_shape(method: str, settings: Mapping[str, Any] | None = None) -> StepSh
         layout = StepLayout.of(cfg)
         return StepShape(layout.size, layout, 1 + cfg.W + cfg.G * (cfg.N - 1))
     if method == "prompt_lookup":
-        return StepShape(1 + int(settings.get("max_draft", 10)))
+        return StepShape(1 + int(settings.get("num_tokens", DEFAULT_TOKENS)))
     raise ConfigError(f"program cost: no step shape for method {method!r} (ar, lookahead, "
                       f"prompt_lookup)")
 
