@@ -57,6 +57,7 @@ from lookahead_jax.lookahead.layout import StepLayout
 from lookahead_jax.lookahead.mask import StepMask, dense_attention
 from lookahead_jax.store.checkpoint import load_model_and_tokenizer
 from lookahead_jax.store.presets import load_preset
+from lookahead_jax.tuning.roofline import measure_bandwidth
 from lookahead_jax.tuning.step_cost import measure_step_cost
 from models import Llama, LlamaConfig
 from pallas_kernels.attention import select_attention
@@ -156,13 +157,6 @@ def random_model(shapes: Shapes) -> Llama:
     return Llama(shapes.model, dtype=jnp.dtype(shapes.dtype), rngs=nnx.Rngs(0))
 
 
-def copy_bandwidth(nbytes: int, iters: int, repeats: int) -> float:
-    """Bytes per second of an on-device elementwise copy (x + 1: reads and writes x)."""
-    x = jnp.zeros((nbytes // 2,), jnp.bfloat16)
-    s = time_call(jax.jit(lambda a: a + 1), (x,), iters, repeats)
-    return 2 * x.nbytes / s
-
-
 def prompt_ids(shapes: Shapes) -> list[int]:
     rng = np.random.default_rng(1)
     return rng.integers(3, shapes.model.vocab_size, shapes.prompt_len).tolist()
@@ -186,7 +180,8 @@ def part_plain(shapes: Shapes, model: Llama) -> dict:
     kv_bytes = 2 * cfg.num_layers * shapes.prompt_len * cfg.num_kv_heads * cfg.head_dim * itemsize
     # the embedding table is read one row per token (tied weights: the LM head reads it all)
     read = param_bytes - (0 if cfg.tie_word_embeddings else embed_bytes) + kv_bytes
-    bw = copy_bandwidth(shapes.copy_bytes, shapes.iters, shapes.repeats)
+    bw = measure_bandwidth(shapes.copy_bytes, kind="copy", iters=shapes.iters,
+                           repeats=shapes.repeats)
     run = decode_ms_per_step(Engine(model, eos_ids=()), prompt_ids(shapes), 2 * shapes.new_tokens,
                              method="ar")
     roofline_ms = 1e3 * read / bw

@@ -38,7 +38,6 @@ from lookahead_jax.store.presets import load_preset
 from lookahead_jax.tuning import roofline as rf
 from lookahead_jax.tuning.program_cost import ATTENTIONS, ProgramCost, forward_cost, method_cost
 from lookahead_jax.tuning.scaling_law import ScalingFit, default_fit
-from models.config import LoopedConfig
 
 RESULTS = os.path.join(common.REPO, "benchmarks", "results")
 LLAMA_PRESETS = ("smollm2_135m", "llama7b", "llama13b", "codellama7b", "codellama13b",
@@ -64,13 +63,6 @@ def label(method: str, settings: tuple) -> str:
     if method == "prompt_lookup":
         return f"prompt_lookup {s.get('num_tokens', DEFAULT_TOKENS)}"
     return method
-
-
-def layers_of(cfg) -> int:
-    """Layers one step (Llama) or one loop (looped: Ouro's stack, Raven's core) runs."""
-    if isinstance(cfg, LoopedConfig):
-        return cfg.core_layers if cfg.family == "raven" else cfg.num_layers
-    return cfg.num_layers
 
 
 # -- compiled costs, cached for the run -----------------------------------------------------------
@@ -174,7 +166,7 @@ def preset_rows(costs: Costs, presets, devices, cache_len, measured, fit,
     rows = []
     for name in presets:
         cfg = load_preset(name).model
-        layers = layers_of(cfg)
+        layers = rf.layers_of(cfg)
         plain = costs.method(name, "ar", (), cache_len)
         plain_k = costs.method(name, "ar", (), cache_len, "fused")
         for dev in devices:
@@ -262,7 +254,7 @@ def paper_rows(costs: Costs, dev: rf.Device, cache_len: int, fits, presets_ok) -
     for p in paper_rows_spec():
         if p.preset not in presets_ok:
             continue
-        layers = layers_of(load_preset(p.preset).model)
+        layers = rf.layers_of(load_preset(p.preset).model)
         settings = (("W", p.W), ("N", p.N), ("G", p.G))
         plain = costs.method(p.preset, "ar", (), cache_len)
         cost = costs.method(p.preset, "lookahead", settings, cache_len)
@@ -289,7 +281,7 @@ def cpu_section(costs: Costs, here: rf.Device, measured: dict, *, measure_model:
     committed setting's step time and speed-up predicted against the measured ones."""
     name = "smollm2_135m"
     cfg = load_preset(name).model
-    layers = layers_of(cfg)
+    layers = rf.layers_of(cfg)
     itemsize = 4  # the committed runs are float32
     plain = costs.method(name, "ar", (), cache_len)
     chosen = {}  # label -> (method, settings, cost) for the committed settings we model
@@ -374,7 +366,7 @@ def looped_rows(costs: Costs, results: str, devices, here: rf.Device | None,
         cfg = load_preset(name).model
         r_tiny = load_preset(src).model.num_loops
         scale = cfg.num_loops / r_tiny  # loops per token carried over as a ratio to plain's R
-        layers = layers_of(cfg)
+        layers = rf.layers_of(cfg)
         devs = list(devices) + ([here] if here is not None and source is None else [])
         for dev in devs:
             itemsize = 4 if dev is here else 2
@@ -401,7 +393,7 @@ def looped_rows(costs: Costs, results: str, devices, here: rf.Device | None,
 def sweep_points(costs: Costs, devices, cache_len: int, fit: ScalingFit, ws) -> list[dict]:
     """Predicted speed-up against W for llama7b, N = 5, G = W, S from the default fit."""
     name = "llama7b"
-    layers = layers_of(load_preset(name).model)
+    layers = rf.layers_of(load_preset(name).model)
     plain = costs.method(name, "ar", (), cache_len)
     out = []
     for w in ws:
@@ -529,9 +521,10 @@ def render(rec: dict) -> str:
                     f2(r["loops_per_token"]), r["nodes_per_call"], f2(r["ms_per_token"], 3),
                     f2(r["speedup"]), f2(r["measured_speedup"])] for r in rec["looped"]]), ""]
     if rec.get("sweep"):
+        skipped = rec.get("plot_skipped")
+        drawn = f" (not drawn: {skipped})" if skipped else ""
         out += ["## Speed-up against W (llama7b, N = 5, G = W)", "",
-                f"`roofline_speedup_vs_w.png`{'' if not rec.get('plot_skipped') else ' (not drawn: ' + rec['plot_skipped'] + ')'}; "
-                "S from the default fit.", "",
+                f"`roofline_speedup_vs_w.png`{drawn}; S from the default fit.", "",
                 t(["device"] + [f"W={w}" for w in rec["sweep_W"]],
                   [[dev] + [f2(next(p["speedup"] for p in rec["sweep"]
                                     if p["device"] == dev and p["W"] == w))
@@ -557,7 +550,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=RESULTS, help="directory for roofline.json/.md/.png")
     ap.add_argument("--presets", default=None,
-                    help=f"comma-separated Llama-family presets (default: {','.join(LLAMA_PRESETS)})")
+                    help="comma-separated Llama-family presets (default: "
+                    f"{','.join(LLAMA_PRESETS)})")
     ap.add_argument("--cache_len", type=int, default=512, help="cached tokens before a step")
     ap.add_argument("--results", default=RESULTS, help="where the committed measurements are")
     ap.add_argument("--quick", action="store_true",
@@ -584,7 +578,7 @@ def run(args: argparse.Namespace) -> dict:
     plain7 = costs.method(cal_preset, "ar", (), args.cache_len)
     la7 = costs.method(cal_preset, "lookahead", cal_settings, args.cache_len)
     over = rf.calibrate_overhead(plain7, la7, rf.device(cal_dev), ratio=rf.PAPER_STEP_RATIO,
-                                 layers=layers_of(load_preset(cal_preset).model))
+                                 layers=rf.layers_of(load_preset(cal_preset).model))
     devices = [dataclasses.replace(d, overhead_s=over) for d in rf.DEVICES]
     if quick:
         devices = [d for d in devices if d.name in ("A100 80GB SXM", "L4")]

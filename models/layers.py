@@ -161,7 +161,8 @@ class Attention(nnx.Module):
         return k, self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
 
     def __call__(self, x, cos, sin, mask, cached_k, cached_v, attention_fn: AttentionFn):
-        """x [B,T,E]; cached_k/v [B,Hkv,S,D] (one cache layer) or None; mask [B,T,S+T]. Returns out, (k, v) of x."""
+        """x [B,T,E]; cached_k/v [B,Hkv,S,D] (one cache layer) or None; mask [B,T,S+T].
+        Returns out, (k, v) of x."""
         b, t, _ = x.shape
         q = apply_rope(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim), cos, sin)
         k, v = self.key_value(x, cos, sin)

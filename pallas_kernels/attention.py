@@ -8,9 +8,9 @@
           that platform, to lower or export for it from this host.
   auto    the kernel where the platform has one (GPU, TPU), dense otherwise.
 
-An attention function has the model's signature `fn(q, k, v, mask, cache_k, cache_v)`. Only the lookahead step
-passes a `StepMask`; the kernel falls back to the dense path for any other mask (prefill,
-plain decoding), so one function serves every model call.
+An attention function has the model's signature `fn(q, k, v, mask, cache_k, cache_v)`. Only
+the lookahead step passes a `StepMask`; the kernel falls back to the dense path for any other
+mask (prefill, plain decoding), so one function serves every model call.
 """
 
 from __future__ import annotations

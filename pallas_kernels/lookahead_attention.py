@@ -1,7 +1,8 @@
 """Block-sparse attention for one lookahead step, in Pallas: Triton on GPU, Mosaic on TPU.
 
 Queries: the step's T tokens. Keys/values: the cache (row b valid up to cache_len[b]) and the
-step's T tokens, two separate inputs: the cache is read in place, never joined to the step. Visibility: a `StepMask` (cache lengths + the step's `StepLayout`),
+step's T tokens, two separate inputs: the cache is read in place, never joined to the step.
+Visibility: a `StepMask` (cache lengths + the step's `StepLayout`),
 tiled by a `BlockMap`. Flash-attention style: an online softmax across key tiles, accumulated
 in float32 whatever the input dtype (float32 or bfloat16); a query row with no visible key
 returns zeros, as the dense reference does.
@@ -329,7 +330,8 @@ def lookahead_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: StepMask
     # rows: token-major, the group's heads adjacent: [B, Hkv, T*group, D], padded
     rows = q.reshape(b, t, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * group, d)
     rows = _pad_axis(rows, 2, bmap.rows_padded)
-    ck, cv = (_pad_axis(x.astype(q.dtype), 2, bmap.cache_padded(s_size)) for x in (cache_k, cache_v))
+    slots = bmap.cache_padded(s_size)
+    ck, cv = (_pad_axis(x.astype(q.dtype), 2, slots) for x in (cache_k, cache_v))
     sk, sv = (_pad_axis(x.transpose(0, 2, 1, 3), 2, bmap.step_padded) for x in (k, v))
     if backend == "triton" and (d & (d - 1) or d < 16):
         # Triton tiles are powers of two, and a dot's dimensions at least 16: zero-pad D

@@ -214,7 +214,7 @@ def predicted_step_costs(model_config, token_counts: Sequence[int], *, cache_len
     on the device (2: bfloat16). kernel: count the attention as the fused Pallas kernel's
     traffic (what `--attention=auto` runs on a GPU or TPU), else as the dense path's."""
     dev = roofline.device(device) if isinstance(device, str) else device
-    layers = getattr(model_config, "num_layers", 1)
+    layers = roofline.layers_of(model_config)
     attention = program_cost.ATTENTIONS["fused" if kernel else "dense"]
     return {int(t): roofline.predict_step_time(
                 program_cost.forward_cost(model_config, tokens=int(t), cache_len=cache_len,

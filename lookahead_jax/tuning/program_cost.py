@@ -39,7 +39,7 @@ from flax import nnx
 from lookahead_jax.generation import cache_length_for
 from lookahead_jax.lookahead.config import LookaheadConfig
 from lookahead_jax.lookahead.layout import StepLayout
-from lookahead_jax.lookahead.mask import StepMask, dense_attention
+from lookahead_jax.lookahead.mask import StepMask, as_dense, dense_attention
 from lookahead_jax.prompt_lookup import DEFAULT_TOKENS
 from models.build import build_looped
 from models.config import ConfigError, LlamaConfig, LoopedConfig
@@ -176,9 +176,8 @@ def fused_attention_traffic(q, k, v, mask, cache_k=None, cache_v=None):
     which is the memory traffic of a flash-style kernel (the Pallas kernel's scores and
     probabilities live in registers and on-chip memory). XLA cannot see inside a Pallas call,
     so a program with the real kernel has no readable cost; this one has the kernel's bytes."""
-    mask = mask.dense() if isinstance(mask, StepMask) else mask
     total = k.astype(jnp.float32).sum() + v.astype(jnp.float32).sum()
-    total = total + jnp.where(mask, 1.0, 0.0).sum()
+    total = total + jnp.where(as_dense(mask), 1.0, 0.0).sum()
     if cache_k is not None:
         total = total + cache_k.astype(jnp.float32).sum() + cache_v.astype(jnp.float32).sum()
     return (q * total.astype(q.dtype)).astype(q.dtype)

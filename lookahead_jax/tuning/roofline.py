@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from lookahead_jax.tuning.program_cost import ProgramCost
+from models.config import LlamaConfig, LoopedConfig
 from pallas_kernels.gpu_bench import time_call
 
 GB = 1e9
@@ -114,6 +115,14 @@ DEVICES: tuple[Device, ...] = (
            _GCP.format("v6e") + "(Trillium) peak compute per chip (bf16) 918 TFLOPs; HBM 32 "
            "GB, 1638 GBps"),
 )
+
+
+def layers_of(cfg: LlamaConfig | LoopedConfig) -> int:
+    """Layers one step (Llama) or one loop (looped: Ouro's stack, Raven's core) runs: what the
+    per-layer overhead term is multiplied by."""
+    if isinstance(cfg, LoopedConfig):
+        return cfg.core_layers if cfg.family == "raven" else cfg.num_layers
+    return cfg.num_layers
 
 
 def device(name: str) -> Device:
