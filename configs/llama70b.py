@@ -19,4 +19,5 @@ def get_config() -> Preset:
         chat=True,
         dtype="bfloat16",
         weights_hint="Llama-2-70b-chat-hf",
+        mesh="model:8",  # about 140 GB of bf16 weights: tensor parallelism over 8 devices
     )

@@ -14,6 +14,11 @@ Prompts, one source at a time:
   (none of these)       interactive: each line read from stdin is a fresh single-turn chat (no
                         conversation memory); an empty line or end of input stops
 
+Devices: `--mesh=lookahead:2,model:4` shards the model over the `model` axis (tensor
+parallelism) and runs lookahead parallelism over the `lookahead` axis; with
+--coordinator_address / --num_processes / --process_id the same command runs on several hosts
+(`jax.distributed`), and process 0 alone prints.
+
 The flags are the fields of `Options` (each with its help text); the method is built by
 `lookahead_jax.registry` from the method flags, which it checks. Bad input (unknown preset,
 missing or broken checkpoint, empty prompt, a prompt too long for the cache, invalid sampling
@@ -23,6 +28,7 @@ or method settings, a bad flag) prints one `error: ...` line on stderr and exits
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import sys
@@ -32,6 +38,7 @@ import jax
 from absl import app, flags, logging
 
 from lookahead_jax.engine import Engine, preset_devices
+from lookahead_jax.mesh import init_distributed, make_mesh, mesh_shape
 from lookahead_jax.prompts import parse_prompt_ids, read_prompt_file
 from lookahead_jax.registry import LOOPED_METHODS, METHODS, build_method
 from lookahead_jax.sampling import Sampling
@@ -101,6 +108,17 @@ class Options:
                                   ATTENTION_NAMES)
     devices: int | None = _flag(None, "Lookahead parallelism over this many local devices "
                                 "(default: all for presets that enable it, else 1).")
+    mesh: str | None = _flag(None, "Device mesh 'lookahead:A,model:B': tensor parallelism over "
+                             "B devices (parameters and KV cache sharded), lookahead "
+                             "parallelism over A groups of them (default: the preset's, e.g. "
+                             "llama70b model:8; else one device or --devices).")
+    coordinator_address: str | None = _flag(None, "Multi-host: host:port of process 0 "
+                                            "(jax.distributed; default: JAX's environment).")
+    num_processes: int | None = _flag(None, "Multi-host: how many processes run this command.")
+    process_id: int | None = _flag(None, "Multi-host: this process's index, 0 .. "
+                                   "num_processes-1 (process 0 prints).")
+    distributed_timeout: int = _flag(60, "Multi-host: seconds to wait for every process to "
+                                     "join before failing.")
     chat: bool | None = _flag(None, "Wrap prompts in the chat template (default: the preset's).")
     json_out: str | None = _flag(None, "Write the prompts, outputs and stats to this JSON file.")
 
@@ -137,21 +155,30 @@ def method_name(opts: Options, preset) -> str:
     return "lookahead" if preset.lookahead is not None or lookahead_flags or opts.auto else "ar"
 
 
-def build_cli_method(opts: Options, preset, sampling: Sampling, model_config=None):
+def build_cli_method(opts: Options, preset, sampling: Sampling, model_config=None, mesh=None):
     """The registry's method for the flags, checked against `model_config` (default: the
-    preset's model shape, so bad settings fail before any weights load)."""
+    preset's model shape, so bad settings fail before any weights load). mesh: the run's
+    device mesh; its lookahead axis is lookahead parallelism's device count."""
     name = method_name(opts, preset)
     if name in LOOPED_METHODS and not isinstance(preset.model, LoopedConfig):
         raise ConfigError(f"--method={name} needs a looped model: preset {preset.name} is not "
                           f"one (use a looped preset, e.g. --config=tiny_ouro)")
     devices = opts.devices
-    if devices is None and name == "lookahead":
+    if mesh is not None:
+        lookahead_axis = mesh_shape(mesh).lookahead
+        if devices not in (None, lookahead_axis):
+            raise ConfigError(f"--devices={devices} disagrees with the mesh's lookahead axis "
+                              f"({lookahead_axis}): give --mesh alone")
+        devices = lookahead_axis if name == "lookahead" else None
+    elif devices is None and name == "lookahead":
         devices = preset_devices(preset)
     settings = dict(W=opts.W, N=opts.N, G=opts.G, prompt_seeding=opts.prompt_seeding,
                     pl_tokens=opts.pl_tokens, pl_ngram=opts.pl_ngram, lad=opts.lad,
                     attention=opts.attention, devices=devices)
     if name == "lookahead":
         settings["lookahead"] = preset.lookahead
+        if mesh is not None and devices > 1:
+            settings["mesh"] = mesh
     try:
         return build_method(name, sampling=sampling, model_config=model_config or preset.model,
                             **settings)
@@ -206,16 +233,32 @@ def run(opts: Options, stdin: TextIO | None = None, stdout: TextIO | None = None
         return 130
 
 
+def _distributed(opts: Options) -> bool:
+    return any(v is not None for v in (opts.coordinator_address, opts.num_processes,
+                                       opts.process_id))
+
+
 def _run(opts: Options, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
     preset = load_preset(opts.config)
     check_options(opts)
+    if _distributed(opts):  # before anything starts a JAX backend
+        print(f"distributed: process {opts.process_id} of {opts.num_processes}, coordinator "
+              f"{opts.coordinator_address}; every process must join within "
+              f"{opts.distributed_timeout} s (else they abort with DEADLINE_EXCEEDED)",
+              file=stderr, flush=True)
+        init_distributed(opts.coordinator_address, opts.num_processes, opts.process_id,
+                         timeout_s=opts.distributed_timeout)
+    if jax.process_index() != 0:  # every process runs the program; process 0 prints
+        stdout = stderr = io.StringIO()
+    mesh_text = opts.mesh or preset.mesh
+    mesh = make_mesh(mesh_text) if mesh_text else None
     sampling = Sampling(temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p)
     if opts.auto:
         if method_name(opts, preset) != "lookahead" or isinstance(preset.model, LoopedConfig):
             raise ConfigError("--auto chooses the method (lookahead, prompt lookup or plain) "
                               "for a Llama-family preset: drop --method, or drop --auto")
         auto.resolve_fit(opts.auto_fit)  # a missing or broken fit file fails before weights
-    method = build_cli_method(opts, preset, sampling)  # bad settings fail before weights load
+    method = build_cli_method(opts, preset, sampling, mesh=mesh)  # fails before weights load
     chat = preset.chat if opts.chat is None else opts.chat
     if opts.json_out:  # fail before the (slow) generation, not after it
         _make_parent(opts.json_out)
@@ -223,15 +266,15 @@ def _run(opts: Options, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
         [opts.prompt] if opts.prompt is not None else None)
     ids = parse_prompt_ids(opts.prompt_ids) if opts.prompt_ids is not None else None
 
-    model, tokenizer, source = load_model_and_tokenizer(preset, opts.ckpt, opts.dtype)
+    model, tokenizer, source = load_model_and_tokenizer(preset, opts.ckpt, opts.dtype, mesh=mesh)
     if tokenizer is None and ids is None:
         raise ConfigError(f"preset {preset.name} with {source} has no tokenizer: give token "
                           f"ids with --prompt_ids=1,2,3, or --ckpt with a tokenizer")
     engine = Engine(model, tokenizer, lookahead=getattr(method, "config", None), chat=chat,
                     cache_len=opts.cache_len, attention=opts.attention or "dense",
-                    devices=getattr(method, "devices", 1))
+                    devices=getattr(method, "devices", 1), mesh=mesh)
     if preset.model is None:  # the method could only be checked against the loaded model
-        method = build_cli_method(opts, preset, sampling, model.config)
+        method = build_cli_method(opts, preset, sampling, model.config, mesh=mesh)
     else:  # the loaded shape equals the preset's (checked at load); its positions may differ
         method.check(model.config)
     auto_choice = None
@@ -258,7 +301,7 @@ def _run(opts: Options, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
         decode_one(None, ids)
     else:
         status = _interactive(decode_one, preset.name, stdin, stderr)
-    if opts.json_out:
+    if opts.json_out and jax.process_index() == 0:  # one file, whatever the process count
         lookahead = getattr(method, "config", None)
         _write_json(opts.json_out, {
             "config": preset.name, "checkpoint": source, "method": method.name,

@@ -13,6 +13,7 @@ prefill and decode time separately, and streams tokens between chunks of steps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Sequence
 
@@ -20,9 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from lookahead_jax.generation import cache_length_for, pad_prompts
 from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.mesh import (MeshShape, make_mesh, mesh_shape, put_global, shard_cache,
+                                shard_params, state_shardings, to_host, host_state)
 from lookahead_jax.method import Method
 from lookahead_jax.registry import build_method
 from lookahead_jax.sampling import Sampling
@@ -88,8 +92,10 @@ def _run_fn(method, graphdef, eos_ids, params, state, max_steps):
     return method.run(graphdef, params, state, max_steps, eos_ids=eos_ids)
 
 
-_init_jit = jax.jit(_init_fn, static_argnums=(0, 1, 2, 3), donate_argnums=(7,))
-_run_jit = jax.jit(_run_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
+# kind -> (function, static argnums, donated argnums: the cache, the state)
+_PROGRAMS = {"init": (_init_fn, (0, 1, 2, 3), (7,)), "run": (_run_fn, (0, 1, 2), (4,))}
+_JITTED = {kind: jax.jit(fn, static_argnums=st, donate_argnums=do)
+           for kind, (fn, st, do) in _PROGRAMS.items()}
 
 
 def preset_devices(preset) -> int:
@@ -103,11 +109,31 @@ class Engine:
 
     def __init__(self, model: nnx.Module, tokenizer=None, *, eos_ids: Sequence[int] | None = None,
                  lookahead: LookaheadConfig | None = None, chat: bool = True,
-                 cache_len: int | None = None, attention: Any = "dense", devices: int = 1):
+                 cache_len: int | None = None, attention: Any = "dense", devices: int = 1,
+                 mesh: Mesh | MeshShape | str | None = None):
+        """mesh: a (lookahead, model) device mesh (`lookahead_jax.mesh`), e.g.
+        "lookahead:2,model:4": parameters and cache sharded over its model axis (tensor
+        parallelism; attention then dense, "auto" included), lookahead parallelism over its
+        lookahead axis (which then sets `devices`)."""
         self.config: LlamaConfig | Any = model.config  # LlamaConfig or LoopedConfig
         self.dtype = model.dtype
-        self._init_cache = model.init_cache  # (batch, max_len, dtype) -> the model's cache
+        self._model_cache = model.init_cache  # (batch, max_len, dtype) -> the model's cache
         self.graphdef, self.params = nnx.split(model)
+        self.mesh = None
+        if mesh is not None:
+            self.mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
+            lookahead_axis = mesh_shape(self.mesh).lookahead
+            if devices not in (1, lookahead_axis):
+                raise ConfigError(f"devices={devices} disagrees with the mesh's lookahead axis "
+                                  f"({lookahead_axis}): give one or the other")
+            devices = lookahead_axis
+            if mesh_shape(self.mesh).model > 1:  # a Pallas call is one device's program
+                if attention not in ("dense", "auto"):
+                    raise ConfigError(f"tensor parallelism (a model axis > 1) runs dense "
+                                      f"attention: attention={attention!r} is a single-device "
+                                      f"kernel")
+                attention = "dense"
+            self.params = shard_params(self.params, self.mesh, self.config)
         self.tokenizer = tokenizer
         self.eos_ids = tuple(int(e) for e in (eos_ids if eos_ids is not None
                                                 else self.config.eos_token_ids))
@@ -118,17 +144,30 @@ class Engine:
         self.devices = devices  # lookahead parallelism over this many local devices (1 = off)
         self._compiled: dict = {}
 
+    def _init_cache(self, batch: int, max_len: int, dtype):
+        cache = self._model_cache(batch, max_len, dtype)
+        return cache if self.mesh is None else shard_cache(cache, self.mesh)
+
+    def _put(self, tree):
+        """Host inputs as arrays for the compiled programs: on a mesh, global and replicated."""
+        return tree if self.mesh is None else put_global(tree, self.mesh)
+
     @classmethod
     def from_preset(cls, name: str = "smollm2_135m", *, ckpt: str | None = None,
                     dtype: str | None = None, **kw) -> "Engine":
         """Loads a preset from `configs/` with its checkpoint (`ckpt` overrides the preset's)
         in `dtype` ("float32" | "bfloat16"; default: the preset's). kw go to `Engine(...)` and
-        may override the preset's `lookahead`, `chat` and `devices` (default: all local
-        devices for presets with `parallel`, else 1)."""
+        may override the preset's `lookahead`, `chat`, `devices` (default: all local devices
+        for presets with `parallel`, else 1) and `mesh` (default: the preset's, e.g.
+        llama70b's model axis of 8; a Hugging Face checkpoint is then read sharded)."""
         preset = load_preset(name)
-        model, tokenizer, _ = load_model_and_tokenizer(preset, ckpt, dtype)
+        mesh = kw.get("mesh", preset.mesh)
+        if mesh is not None and not isinstance(mesh, Mesh):
+            mesh = make_mesh(mesh)
+        model, tokenizer, _ = load_model_and_tokenizer(preset, ckpt, dtype, mesh=mesh)
         kw = {"lookahead": preset.lookahead, "chat": preset.chat,
-              "devices": preset_devices(preset), **kw}
+              **({"devices": preset_devices(preset)} if mesh is None else {}), **kw,
+              "mesh": mesh}
         return cls(model, tokenizer, **kw)
 
     def build_method(self, name: str | None = None, sampling: Sampling | None = None,
@@ -140,6 +179,8 @@ class Engine:
         if name == "lookahead":
             settings = {"lookahead": self.lookahead, "attention": self.attention,
                         "devices": self.devices, **settings}
+            if self.mesh is not None and settings["devices"] > 1:
+                settings["mesh"] = self.mesh
         return build_method(name, sampling=sampling, model_config=self.config, **settings)
 
     def resolve_method(self, method: str | Method | None, sampling: Sampling | None,
@@ -168,9 +209,16 @@ class Engine:
         shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(args[1:]))
         key = (kind, statics, shapes)
         if key not in self._compiled:
-            fn = _init_jit if kind == "init" else _run_jit
             t0 = time.perf_counter()
-            self._compiled[key] = fn.lower(*statics, *args).compile()
+            if self.mesh is None:
+                self._compiled[key] = _JITTED[kind].lower(*statics, *args).compile()
+            else:  # every program leaves the state laid out as `state_shardings` says
+                base, static, donate = _PROGRAMS[kind]
+                with jax.set_mesh(self.mesh):
+                    state = jax.eval_shape(functools.partial(base, *statics), *args)
+                    fn = jax.jit(base, static_argnums=static, donate_argnums=donate,
+                                 out_shardings=state_shardings(state, self.mesh))
+                    self._compiled[key] = fn.lower(*statics, *args).compile()
             return self._compiled[key], time.perf_counter() - t0
         return self._compiled[key], 0.0
 
@@ -199,8 +247,9 @@ class Engine:
                              self.config.max_position_embeddings, cache_len or self.cache_len)
         cache = self._init_cache(len(prompts), s, self.dtype)
         key = jax.random.key(seed)
-        params = {"model": self.params, "method": method.params()}
-        init_args = (params, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
+        params = {"model": self.params, "method": self._put(method.params())}
+        tokens, lengths = self._put((jnp.asarray(tokens), jnp.asarray(lengths)))
+        init_args = (params, tokens, lengths, cache, self._put(key))
         init_c, compile_s = self._compile(
             "init", (method, self.graphdef, max_new_tokens, self.eos_ids), init_args)
         t0 = time.perf_counter()
@@ -208,7 +257,7 @@ class Engine:
         prefill_s = time.perf_counter() - t0
 
         chunk = chunk_steps or (8 if on_tokens else max_new_tokens + 2 * 64)
-        max_steps = jnp.asarray(chunk, jnp.int32)
+        max_steps = self._put(jnp.asarray(chunk, jnp.int32))
         run_c, c2 = self._compile("run", (method, self.graphdef, self.eos_ids),
                                   (params, state, max_steps))
         compile_s += c2
@@ -218,23 +267,25 @@ class Engine:
         def flush(st):
             if on_tokens is None:
                 return
-            counts = np.asarray(st.out.count)
-            toks = np.asarray(st.out.tokens)
+            counts = to_host(st.out.count)
+            toks = to_host(st.out.tokens)
             for i, c in enumerate(counts):
                 if c > sent[i]:
                     on_tokens(i, toks[i, sent[i]:c].tolist())
                     sent[i] = int(c)
 
         flush(state)
-        while not bool(np.asarray(state.out.done).all()):
+        while not bool(to_host(state.out.done).all()):
             t0 = time.perf_counter()
             state = jax.block_until_ready(run_c(params, state, max_steps))
             decode_s += time.perf_counter() - t0
             flush(state)
-        counts = np.asarray(state.out.count)
-        toks = np.asarray(state.out.tokens)
-        stats = Stats(new_tokens=counts.tolist(), steps=int(state.steps), prefill_s=prefill_s,
-                      decode_s=decode_s, compile_s=compile_s, extra=method.summary(state))
+        counts = to_host(state.out.count)
+        toks = to_host(state.out.tokens)
+        stats = Stats(new_tokens=counts.tolist(), steps=int(to_host(state.steps)),
+                      prefill_s=prefill_s,
+                      decode_s=decode_s, compile_s=compile_s,
+                      extra=method.summary(state if self.mesh is None else host_state(state)))
         return Result([toks[i, :c].tolist() for i, c in enumerate(counts)], stats)
 
     def encode(self, text: str, chat: bool | None = None) -> list[int]:

@@ -45,7 +45,7 @@ LOOPED_METHODS = ("loopspec", "loopahead")  # looped models only
 _LOOKAHEAD_FIELDS = tuple(f.name for f in dataclasses.fields(LookaheadConfig))
 SETTINGS = {
     "ar": (),
-    "lookahead": (*_LOOKAHEAD_FIELDS, "lookahead", "attention", "devices", "verifier"),
+    "lookahead": (*_LOOKAHEAD_FIELDS, "lookahead", "attention", "devices", "mesh", "verifier"),
     "prompt_lookup": ("pl_tokens", "pl_ngram", "verifier"),
     "loopspec": ("d1", "d2", "capacity", "verifier"),
     "loopahead": ("lad", "r1", "r2", "scheduling", "max_active", "window", "capacity",
@@ -101,6 +101,7 @@ def _lookahead(sampling: Sampling, given: dict[str, Any]) -> Method:
     config = dataclasses.replace(base, **fields)
     attention = given.pop("attention", "dense")
     devices = given.pop("devices", 1)
+    mesh = given.pop("mesh", None)  # a (lookahead, model) mesh: its lookahead axis is `devices`
     if devices < 1:
         raise ConfigError(f"devices must be >= 1, got {devices}")
     if devices > 1:
@@ -108,7 +109,7 @@ def _lookahead(sampling: Sampling, given: dict[str, Any]) -> Method:
             raise ConfigError("lookahead parallelism (devices > 1) uses dense attention only")
         if "verifier" in given:
             raise ConfigError("lookahead parallelism (devices > 1) has its own verifier")
-        return ParallelLookahead(sampling, config=config, devices=devices)
+        return ParallelLookahead(sampling, config=config, devices=devices, mesh=mesh)
     return Lookahead(sampling, config=config, attention=attention, **given)
 
 

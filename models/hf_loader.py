@@ -21,10 +21,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 
 from models.config import ConfigError, LlamaConfig
 from models.llama import Llama
+from models.sharding import param_sharding
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -129,14 +131,15 @@ def _shard_files(path: str) -> dict[str, list[str] | None]:
 
 
 def _read_raw(file: str, name: str, header: dict[str, Any]) -> np.ndarray:
-    """Reads one tensor of a dtype numpy lacks (bf16, fp8) straight from the file."""
+    """One tensor of a dtype numpy lacks (bf16, fp8), mapped from the file (read on access)."""
     meta = header[name]
     begin, end = meta["data_offsets"]
     dt = np.dtype(_RAW_DTYPES[meta["dtype"]])
     data_start = 8 + header["__header_len__"]
-    with open(file, "rb") as f:
-        arr = np.fromfile(f, dtype=dt, count=(end - begin) // dt.itemsize, offset=data_start + begin)
-    return arr.reshape(meta["shape"])
+    if end == begin:
+        return np.zeros(meta["shape"], dt)
+    return np.memmap(file, dtype=dt, mode="r", offset=data_start + begin,
+                     shape=tuple(meta["shape"]))
 
 
 def _read_header(file: str) -> dict[str, Any]:
@@ -148,13 +151,14 @@ def _read_header(file: str) -> dict[str, Any]:
 
 
 def load_hf_llama(path: str | os.PathLike, dtype=jnp.float32,
-                  config: LlamaConfig | None = None) -> Llama:
+                  config: LlamaConfig | None = None, mesh: Mesh | None = None) -> Llama:
     """Loads a Hugging Face `LlamaForCausalLM` safetensors checkpoint into a `Llama`.
 
     path: directory with `config.json` and `model.safetensors` or a sharded
     `model.safetensors.index.json`. dtype: parameter dtype of the returned model (each tensor
     is cast to it, whatever the checkpoint stores: f32, f16, bf16). config: overrides
-    `config.json` (its shapes are still checked against every tensor).
+    `config.json` (its shapes are still checked against every tensor). mesh: load sharded
+    for tensor parallelism (see `load_safetensors_into`).
 
     Tensors are read lazily one at a time: peak host memory is one tensor (plus its cast
     copy) on top of the model's parameters. Linear weights [out, in] are transposed into
@@ -171,7 +175,7 @@ def load_hf_llama(path: str | os.PathLike, dtype=jnp.float32,
     return load_safetensors_into(
         path, lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)), _hf_table(cfg), dtype,
         skip=lambda name: bool(_IGNORED.search(name)) or (name == "lm_head.weight" and tied),
-        kind="Llama model",
+        kind="Llama model", mesh=mesh,
         missing_hint=lambda missing: (" (config has tie_word_embeddings=false)"
                                       if "lm_head.weight" in missing else ""))
 
@@ -179,8 +183,8 @@ def load_hf_llama(path: str | os.PathLike, dtype=jnp.float32,
 def load_safetensors_into(path: str | os.PathLike, build: Callable[[], nnx.Module],
                           table: Mapping[str, tuple[tuple[Any, ...], bool]], dtype, *,
                           skip: Callable[[str], bool], kind: str,
-                          missing_hint: Callable[[list[str]], str] = lambda missing: ""
-                          ) -> nnx.Module:
+                          missing_hint: Callable[[list[str]], str] = lambda missing: "",
+                          mesh: Mesh | None = None) -> nnx.Module:
     """Builds `build()` shape-only and fills every parameter from the safetensors file(s) of
     `path`, through `table` (HF tensor name -> (path in the nnx state, transpose?)).
 
@@ -189,6 +193,9 @@ def load_safetensors_into(path: str | os.PathLike, build: Callable[[], nnx.Modul
     for a missing / corrupt file or shard, a misshapen tensor, a tensor the model has no place
     for (`kind` names the model in that message) or one the table needs that is absent
     (`missing_hint(missing names)` is appended to that message).
+
+    mesh: place each parameter sharded by `models.sharding`'s rules; each process then reads
+    from the files only the slices its own devices hold (tensor parallelism, multi-host).
     """
     path = os.fspath(path)
     files = _shard_files(path)
@@ -225,14 +232,22 @@ def load_safetensors_into(path: str | os.PathLike, build: Callable[[], nnx.Modul
                             f"this config")
                     if sl.get_dtype() in _RAW_DTYPES:
                         header = header or _read_header(file)
-                        arr = _read_raw(file, name, header)
+                        source = _read_raw(file, name, header)  # a memory map: read lazily
                     else:
-                        arr = f.get_tensor(name)
-                    arr = arr.astype(target, copy=False)
-                    if transpose:
-                        arr = arr.T
-                    var.set_value(jax.device_put(np.ascontiguousarray(arr)))
-                    del arr
+                        source = sl
+
+                    def read(index=(), source=source, transpose=transpose):
+                        # index: the part of our [in, out] kernel wanted; HF stores [out, in]
+                        index = tuple(index) + (slice(None),) * (len(want) - len(index))
+                        part = np.asarray(source[index[::-1] if transpose else index])
+                        part = part.astype(target, copy=False)
+                        return np.ascontiguousarray(part.T if transpose else part)
+
+                    if mesh is None:
+                        var.set_value(jax.device_put(read()))
+                    else:  # each process reads only the parts its own devices hold
+                        var.set_value(jax.make_array_from_callback(
+                            want, param_sharding(key, want, mesh, abstract.config), read))
                     loaded.add(name)
         except CheckpointError:
             raise

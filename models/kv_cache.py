@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from models.sharding import CACHE_AXES, constrain
+
 
 @struct.dataclass
 class NewKV:
@@ -82,18 +84,22 @@ class KVCache:
         if self.per_layer:  # layer[b, :, dst] has shape [B, n, Hkv, D]
             k = tuple(c.at[b, :, dst].set(n[b, src], mode="drop") for c, n in zip(self.k, new.k))
             v = tuple(c.at[b, :, dst].set(n[b, src], mode="drop") for c, n in zip(self.v, new.v))
-            return self.replace(k=k, v=v)
-        # cache[:, b, :, dst] has shape [B, n, L, Hkv, D] (the indexed axes first)
-        k = self.k.at[:, b, :, dst].set(jnp.moveaxis(new.k[:, b, src], 0, 2), mode="drop")
-        v = self.v.at[:, b, :, dst].set(jnp.moveaxis(new.v[:, b, src], 0, 2), mode="drop")
+        else:  # cache[:, b, :, dst] has shape [B, n, L, Hkv, D] (the indexed axes first)
+            k = self.k.at[:, b, :, dst].set(jnp.moveaxis(new.k[:, b, src], 0, 2), mode="drop")
+            v = self.v.at[:, b, :, dst].set(jnp.moveaxis(new.v[:, b, src], 0, 2), mode="drop")
+        # on a mesh, every write keeps K/V split over KV heads (`models.sharding`), so the
+        # decoding loop's partitioner never lays the cache out another way
+        k, v = jax.tree.map(lambda a: constrain(a, (None,) * (a.ndim - 4) + CACHE_AXES), (k, v))
         return self.replace(k=k, v=v)
 
     def slots(self, layer) -> tuple[jax.Array, jax.Array]:
         """K, V [B, Hkv, S, D] of one layer slot (an int; traced only for a stacked cache)."""
         if isinstance(layer, int) or self.per_layer:
-            return self.k[layer], self.v[layer]
-        return (jax.lax.dynamic_index_in_dim(self.k, layer, 0, keepdims=False),
-                jax.lax.dynamic_index_in_dim(self.v, layer, 0, keepdims=False))
+            k, v = self.k[layer], self.v[layer]
+        else:
+            k = jax.lax.dynamic_index_in_dim(self.k, layer, 0, keepdims=False)
+            v = jax.lax.dynamic_index_in_dim(self.v, layer, 0, keepdims=False)
+        return constrain(k, CACHE_AXES), constrain(v, CACHE_AXES)  # as `write` keeps them
 
     def append(self, new: NewKV, src: jax.Array, count: jax.Array) -> "KVCache":
         """Appends new tokens src[b, :count[b]] after row b's committed tokens.

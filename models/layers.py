@@ -22,6 +22,7 @@ from jax import lax
 
 from models.config import LlamaConfig, LoopedConfig
 from models.kv_cache import KVCache
+from models.sharding import EMBED_AXES, HEAD_AXES, KV_AXES, MLP_AXES, constrain
 
 # fn(q, k, v, mask, cache_k, cache_v) -> out; see dot_product_attention
 AttentionFn = Callable[..., jax.Array]
@@ -157,17 +158,19 @@ class Attention(nnx.Module):
     def key_value(self, x, cos, sin) -> tuple[jax.Array, jax.Array]:
         """The K/V [B,T,Hkv,D] of x [B,T,E] (K rotated), as __call__ computes them."""
         b, t, _ = x.shape
-        k = apply_rope(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim), cos, sin)
-        return k, self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        k = constrain(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim), KV_AXES)
+        v = constrain(self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim), KV_AXES)
+        return apply_rope(k, cos, sin), v
 
     def __call__(self, x, cos, sin, mask, cached_k, cached_v, attention_fn: AttentionFn):
         """x [B,T,E]; cached_k/v [B,Hkv,S,D] (one cache layer) or None; mask [B,T,S+T].
         Returns out, (k, v) of x."""
         b, t, _ = x.shape
-        q = apply_rope(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim), cos, sin)
+        q = constrain(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim), HEAD_AXES)
+        q = apply_rope(q, cos, sin)
         k, v = self.key_value(x, cos, sin)
-        out = attention_fn(q, k, v, mask, cached_k, cached_v)
-        return self.o_proj(out.reshape(b, t, -1)), (k, v)
+        out = constrain(attention_fn(q, k, v, mask, cached_k, cached_v), HEAD_AXES)
+        return constrain(self.o_proj(out.reshape(b, t, -1)), EMBED_AXES), (k, v)
 
 
 class MLP(nnx.Module):
@@ -179,4 +182,5 @@ class MLP(nnx.Module):
         self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, dtype, rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        hidden = constrain(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), MLP_AXES)
+        return constrain(self.down_proj(hidden), EMBED_AXES)

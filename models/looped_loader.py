@@ -103,10 +103,11 @@ def load_looped_config(path: str | os.PathLike) -> LoopedConfig:
 
 
 def load_hf_looped(path: str | os.PathLike, dtype=jnp.float32,
-                   config: LoopedConfig | None = None) -> LoopedLM:
+                   config: LoopedConfig | None = None, mesh=None) -> LoopedLM:
     """Loads an Ouro or Huginn/Raven safetensors checkpoint (single file or sharded) into a
     `LoopedLM` with parameters of `dtype`. config: overrides `config.json` (its shapes are
-    still checked against every tensor).
+    still checked against every tensor). mesh: load sharded for tensor parallelism (see
+    `models.hf_loader.load_safetensors_into`).
 
     Raises CheckpointError naming the file or tensor for a missing directory / file / shard,
     a tensor whose shape differs from the config's, a tensor the model needs that is absent
@@ -119,7 +120,7 @@ def load_hf_looped(path: str | os.PathLike, dtype=jnp.float32,
     return load_safetensors_into(
         path, lambda: build_looped(cfg, dtype=dtype, rngs=nnx.Rngs(0)), hf_table(cfg), dtype,
         skip=lambda name: bool(_IGNORED.search(name)) or (name == "lm_head.weight" and tied),
-        kind=f"{cfg.family} model",
+        kind=f"{cfg.family} model", mesh=mesh,
         missing_hint=lambda missing: (" (config has untied embeddings)"
                                       if "lm_head.weight" in missing else ""))
 

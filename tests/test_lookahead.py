@@ -32,9 +32,11 @@ PROMPT_LENS = (1, 7, 40)
 MAX_NEW = 37  # the plain references' length; shorter runs compare with their prefix
 
 
-def make_model(seed: int = 0) -> Llama:
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, eos_token_ids=())
+def make_model(seed: int = 0, **shape) -> Llama:
+    """shape: LlamaConfig fields overriding the default shape (e.g. more heads)."""
+    cfg = LlamaConfig(**{**dict(vocab_size=V, hidden_size=32, intermediate_size=64,
+                                num_layers=2, num_heads=4, num_kv_heads=2, eos_token_ids=()),
+                         **shape})
     model = Llama(cfg, rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
     succ = rng.permutation(V)  # the bigram preference f

@@ -29,7 +29,7 @@ from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
 from lookahead_jax.lookahead.config import LookaheadConfig
-from lookahead_jax.engine import Engine, _init_jit, _run_jit
+from lookahead_jax.engine import _JITTED, Engine
 from lookahead_jax.lookahead.layout import StepLayout
 from lookahead_jax.lookahead.step import Lookahead
 from lookahead_jax.sampling import Sampling
@@ -365,9 +365,9 @@ def test_whole_decode_with_the_kernel_exports(platform, sampling):
         method = Lookahead(sampling, config=LookaheadConfig(W=3, N=3, G=2), attention=attention)
 
         def decode(params, tokens, lengths, cache, key, max_steps):
-            state = _init_jit(method, graphdef, max_new, eos, params, tokens, lengths, cache,
-                              key)
-            return _run_jit(method, graphdef, eos, params, state, max_steps)
+            state = _JITTED["init"](method, graphdef, max_new, eos, params, tokens, lengths,
+                                    cache, key)
+            return _JITTED["run"](method, graphdef, eos, params, state, max_steps)
         return jax.jit(decode)
 
     args = jax.tree.map(

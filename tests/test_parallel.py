@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 import jax
@@ -34,31 +33,13 @@ from lookahead_jax.lookahead.step import Lookahead
 from models.config import ConfigError
 
 sys.path.insert(0, os.path.dirname(__file__))
+from multidevice import (DEVICES, ON_8_CPU_DEVICES, needs8,  # noqa: E402
+                         rerun_on_8_cpu_devices)
 from test_lookahead import make_model  # noqa: E402  (the structured tiny model)
-
-DEVICES = 8
-# 8 CPU devices, whatever accelerators the host has: on a GPU or TPU host the tests run in the
-# child process on CPU devices too, so the collectives inspected are always the CPU program's
-ON_8_CPU_DEVICES = jax.default_backend() == "cpu" and len(jax.devices()) >= DEVICES
-needs8 = pytest.mark.skipif(not ON_8_CPU_DEVICES,
-                            reason="needs 8 CPU devices: run by test_on_8_cpu_devices in its own "
-                                   "process with --xla_force_host_platform_device_count=8")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.mark.skipif(ON_8_CPU_DEVICES, reason="already running on 8 CPU devices")
 def test_on_8_cpu_devices():
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                          f" --xla_force_host_platform_device_count={DEVICES}").strip())
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.abspath(__file__)], env=env, cwd=REPO, capture_output=True,
-                       text=True, timeout=1800)
-    tail = r.stdout[-6000:] + r.stderr[-3000:]
-    assert r.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", r.stdout)
-    assert passed and int(passed.group(1)) >= 10, tail  # the needs8 tests really ran
-    assert "skipped" in r.stdout  # only this test itself is skipped there
+    rerun_on_8_cpu_devices(__file__, min_passed=10)
 
 
 # ------------------------------------------------------------------------------------------

@@ -180,12 +180,17 @@ class ParallelLookahead(Method):
 
     config: LookaheadConfig = LookaheadConfig()
     devices: int = 2
+    mesh: Mesh | None = None  # a (lookahead, model) mesh (`lookahead_jax.mesh`); None: 1-D
 
     name = "lookahead"
 
     def __post_init__(self):
         super().__post_init__()
-        lookahead_mesh(self.devices)  # fails here if there are not enough devices
+        if self.mesh is None:
+            lookahead_mesh(self.devices)  # fails here if there are not enough devices
+        elif self.mesh.shape.get(AXIS, 1) != self.devices:
+            raise ConfigError(f"lookahead parallelism over {self.devices} devices, but the "
+                              f"mesh's {AXIS} axis has {self.mesh.shape.get(AXIS, 1)}")
 
     def cache_capacity(self, model_config) -> int:
         return self.config.N  # the re-fed tokens and the current token
@@ -205,11 +210,15 @@ class ParallelLookahead(Method):
 
     def run(self, graphdef, params, state, max_steps, *, eos_ids):
         """Up to `max_steps` steps on `devices` devices: one shard_map around the base class's
-        while_loop. Parameters and state are replicated; only the step's tokens are split."""
+        while_loop, manual over the lookahead axis only. Parameters and state are replicated
+        over it; only the step's tokens are split. On a two-axis mesh the model axis stays
+        automatic: the parameters' and cache's shardings over it (tensor parallelism) carry
+        into the body and XLA partitions each group's forward pass over its model devices."""
         body = functools.partial(Method.run, self, graphdef, eos_ids=eos_ids)
         rep = PartitionSpec()
-        return jax.shard_map(body, mesh=lookahead_mesh(self.devices), in_specs=(rep, rep, rep),
-                             out_specs=rep, check_vma=False)(params, state, max_steps)
+        mesh = lookahead_mesh(self.devices) if self.mesh is None else self.mesh
+        return jax.shard_map(body, mesh=mesh, in_specs=(rep, rep, rep), out_specs=rep,
+                             axis_names={AXIS}, check_vma=False)(params, state, max_steps)
 
     def summary(self, state: ParallelState) -> dict:
         lay = ShardedLayout(self.config.W, self.config.N, self.config.G, self.devices)

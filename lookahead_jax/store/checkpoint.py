@@ -60,8 +60,12 @@ def _missing_weights(preset: Preset) -> ConfigError:
 
 
 def load_model_and_tokenizer(preset: Preset, ckpt: str | os.PathLike | None = None,
-                             dtype: str | None = None):
+                             dtype: str | None = None, mesh=None):
     """Loads the preset's weights (or `ckpt`) -> (model, tokenizer or None, source description).
+
+    mesh: a Hugging Face checkpoint is read straight into parameters sharded for tensor
+    parallelism on that mesh, each process reading only its devices' slices (other sources
+    load whole and the engine shards them).
 
     The model is a `Llama`, or a `LoopedLM` when the preset's model is a LoopedConfig or the
     checkpoint directory's config.json names a looped model (Ouro, Huginn/Raven)."""
@@ -81,10 +85,10 @@ def load_model_and_tokenizer(preset: Preset, ckpt: str | os.PathLike | None = No
     if os.path.isdir(source):
         if looped or is_looped_checkpoint(source):
             check_model_matches(preset, load_looped_config(source), source)
-            model = load_hf_looped(source, dtype=jdtype)
+            model = load_hf_looped(source, dtype=jdtype, mesh=mesh)
         else:
             check_model_matches(preset, load_hf_config(source), source)
-            model = load_hf_llama(source, dtype=jdtype)
+            model = load_hf_llama(source, dtype=jdtype, mesh=mesh)
     elif os.path.isfile(source):
         if looped:
             raise ConfigError(f"checkpoint {source}: preset {preset.name} is a looped model; "

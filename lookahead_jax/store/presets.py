@@ -54,6 +54,8 @@ class Preset:
     dtype: default parameter dtype, "float32" or "bfloat16".
     weights_hint: the directory name to suggest when weights are missing (e.g. Llama-2-7b-chat-hf).
     parallel: lookahead parallelism over all local devices by default (`--devices`).
+    mesh: the default device mesh, "lookahead:A,model:B" (`--mesh`; None: one device), for
+        models too big for one accelerator (llama70b: model:8).
     """
 
     name: str
@@ -65,6 +67,7 @@ class Preset:
     dtype: str = "float32"
     weights_hint: str | None = None
     parallel: bool = False
+    mesh: str | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

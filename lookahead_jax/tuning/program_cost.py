@@ -24,6 +24,18 @@ Read the program in float32 (the default here). XLA's CPU backend has no bfloat1
 converts bfloat16 weights to float32 into temporaries, so a bfloat16 program compiled on a CPU
 reports several times the bytes a GPU or TPU program moves. In float32 the CPU program is the
 one an accelerator would run, and bytes scale with the element size (`scaled_bytes`).
+
+On a device mesh (`forward_cost(..., mesh=make_mesh("lookahead:1,model:8"))`) the pass is
+lowered with the parameters and the cache laid out by `models.sharding`'s rules (tensor
+parallelism over the mesh's "model" axis, replicated over any other axis) under
+`jax.set_mesh(mesh)`, so the models' activation constraints apply too, and XLA's partitioner
+turns it into one SPMD program that every device runs on its own shards. XLA's cost and memory
+analyses of that program describe ONE device: FLOPs, bytes accessed, argument, output and
+temporary bytes are per device (`tests/test_mesh_memory.py` checks the argument bytes against
+the shards' sizes). The collectives the partitioner inserts are in the program, but their time
+over the interconnect is not in any of these figures (`roofline.allreduce_time` adds it).
+`ProgramCost.weight_bytes` / `cache_bytes` stay the whole model's; the `*_per_device` fields
+are one device's shards, computed from the specs, and `ideal_bytes` is per device.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lookahead_jax.generation import cache_length_for
 from lookahead_jax.lookahead.config import LookaheadConfig
@@ -46,11 +59,22 @@ from models.config import ConfigError, LlamaConfig, LoopedConfig
 from models.kv_cache import KVCache
 from models.layers import causal_mask
 from models.llama import Llama
+from models.sharding import MODEL, cache_specs, param_specs, shardings
 
 @dataclasses.dataclass(frozen=True)
 class ProgramCost:
     """What one compiled forward pass does. Bytes and FLOPs are XLA's cost analysis of the
-    program compiled for `backend`; weight_bytes and cache_bytes are the arrays' sizes."""
+    program compiled for `backend`; weight_bytes and cache_bytes are the whole arrays' sizes.
+
+    On a mesh (`mesh` not empty: e.g. "lookahead:2,model:4", over `devices` devices) the
+    program is one device's SPMD program, so flops, bytes_accessed, argument_bytes,
+    output_bytes and temp_bytes are per device, and so is `ideal_bytes`; weight_bytes and
+    cache_bytes stay the whole model's, and weight_bytes_per_device / cache_bytes_per_device
+    are the bytes of one device's shards by the specs (each array's size over the product of
+    the mesh axes its dimensions are split over; the same on every device). Without a mesh,
+    devices is 1 and the per-device sizes equal the totals. argument_bytes counts only the
+    arrays the program reads (`jax.jit` drops unused parameters, e.g. a looped model's
+    readout in a `loops=` pass), so it can fall below weights + cache."""
 
     flops: float
     bytes_accessed: float
@@ -64,11 +88,22 @@ class ProgramCost:
     cache_size: int
     itemsize: int
     backend: str
+    mesh: str = ""  # "" (one device) or the mesh's axes, e.g. "lookahead:2,model:4"
+    devices: int = 1
+    weight_bytes_per_device: int | None = None  # None: weight_bytes (one device)
+    cache_bytes_per_device: int | None = None  # None: cache_bytes (one device)
+
+    def __post_init__(self):
+        if self.weight_bytes_per_device is None:
+            object.__setattr__(self, "weight_bytes_per_device", self.weight_bytes)
+        if self.cache_bytes_per_device is None:
+            object.__setattr__(self, "cache_bytes_per_device", self.cache_bytes)
 
     @property
     def ideal_bytes(self) -> int:
-        """Weights + the allocated KV cache, each read once."""
-        return self.weight_bytes + self.cache_bytes
+        """Weights + the allocated KV cache, each read once, by one device (on a mesh: its
+        shards of both; on one device: the whole model and cache)."""
+        return self.weight_bytes_per_device + self.cache_bytes_per_device
 
     @property
     def excess(self) -> float:
@@ -106,10 +141,43 @@ def _nbytes(tree) -> int:
     return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
+def split_factor(spec: PartitionSpec, mesh_sizes: Mapping[str, int]) -> int:
+    """How many pieces a PartitionSpec cuts an array into: the product of the sizes of the
+    mesh axes its dimensions are split over (a dimension may name several axes)."""
+    n = 1
+    for entry in spec:
+        for axis in (entry if isinstance(entry, tuple) else (entry,)):
+            if axis is not None:
+                n *= int(mesh_sizes[axis])
+    return n
+
+
+def bytes_per_device_from_specs(tree, specs, mesh_sizes: Mapping[str, int]) -> int:
+    """Bytes of one device's shards of `tree` (arrays or ShapeDtypeStructs) laid out by
+    `specs` (a PartitionSpec per leaf) on a mesh of `mesh_sizes` (axis -> devices): each
+    array's bytes over its `split_factor`. Dimensions the specs split must divide evenly
+    (`models.sharding.spec_for` only splits those)."""
+    leaves = jax.tree.leaves(tree)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    if len(leaves) != len(spec_leaves):
+        raise ValueError(f"bytes_per_device_from_specs: {len(leaves)} arrays but "
+                         f"{len(spec_leaves)} specs")
+    total = 0
+    for x, spec in zip(leaves, spec_leaves):
+        n = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        total += n // split_factor(spec, mesh_sizes)
+    return int(total)
+
+
+def mesh_label(mesh: Mesh) -> str:
+    """"lookahead:2,model:4" for a Mesh (its axes in order)."""
+    return ",".join(f"{name}:{size}" for name, size in mesh.shape.items())
+
+
 def forward_cost(model_config: LlamaConfig | LoopedConfig, *, tokens: int, cache_len: int,
                  dtype=jnp.float32, batch: int = 1, layout: StepLayout | None = None,
                  logits_rows: int | None = None, loops: int | None = None,
-                 attention=dense_attention) -> ProgramCost:
+                 attention=dense_attention, mesh: Mesh | None = None) -> ProgramCost:
     """Compiles one forward pass of `tokens` new tokens per row over a cache holding `cache_len`
     tokens and reads its cost.
 
@@ -117,6 +185,10 @@ def forward_cost(model_config: LlamaConfig | LoopedConfig, *, tokens: int, cache
     None: the causal mask. logits_rows: how many of the tokens get logits (None: all).
     loops: for a looped model, how many loop iterations the pass runs (None: all R, then read
     out); for a Llama model it must be None.
+    mesh: a `jax.sharding.Mesh` with a "model" axis (`lookahead_jax.mesh.make_mesh`): the pass
+    is compiled as one SPMD program with the parameters and cache sharded by
+    `models.sharding` (token ids and lengths replicated), and the cost is ONE device's (see
+    `ProgramCost`). None: one device, as before. Nothing is materialised either way.
     """
     if tokens < 1 or cache_len < 0 or batch < 1:
         raise ConfigError(f"program cost: need tokens >= 1, cache_len >= 0, batch >= 1; got "
@@ -156,18 +228,37 @@ def forward_cost(model_config: LlamaConfig | LoopedConfig, *, tokens: int, cache
 
     args = (params, cache, jax.ShapeDtypeStruct((batch, tokens), jnp.int32),
             jax.ShapeDtypeStruct((batch,), jnp.int32))
-    compiled = jax.jit(forward).lower(*args).compile()
+    kv = (cache.k, cache.v)
+    per_device: dict[str, Any] = {}
+    if mesh is None:
+        compiled = jax.jit(forward).lower(*args).compile()
+    else:
+        if MODEL not in mesh.shape:
+            raise ConfigError(f"program cost: the mesh needs a 'model' axis, got axes "
+                              f"{tuple(mesh.shape)}")
+        p_specs = param_specs(params, mesh, model_config)
+        c_specs = cache_specs(cache, mesh)
+        rep = NamedSharding(mesh, PartitionSpec())
+        in_shardings = (shardings(p_specs, mesh), shardings(c_specs, mesh), rep, rep)
+        with jax.set_mesh(mesh):  # the models' `constrain` calls apply
+            compiled = jax.jit(forward, in_shardings=in_shardings).lower(*args).compile()
+        sizes = dict(mesh.shape)
+        per_device = dict(
+            mesh=mesh_label(mesh), devices=int(mesh.size),
+            weight_bytes_per_device=bytes_per_device_from_specs(params, p_specs, sizes),
+            cache_bytes_per_device=bytes_per_device_from_specs(
+                kv, (c_specs.k, c_specs.v), sizes))
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     mem = compiled.memory_analysis()
     return ProgramCost(
         flops=float(ca.get("flops", 0.0)), bytes_accessed=float(ca.get("bytes accessed", 0.0)),
-        weight_bytes=_nbytes(params), cache_bytes=_nbytes((cache.k, cache.v)),
+        weight_bytes=_nbytes(params), cache_bytes=_nbytes(kv),
         argument_bytes=int(getattr(mem, "argument_size_in_bytes", 0)),
         output_bytes=int(getattr(mem, "output_size_in_bytes", 0)),
         temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0)),
         tokens=tokens, cache_len=cache_len, cache_size=size, itemsize=dtype.itemsize,
-        backend=jax.default_backend())
+        backend=jax.default_backend(), **per_device)
 
 
 def fused_attention_traffic(q, k, v, mask, cache_k=None, cache_v=None):
@@ -214,9 +305,10 @@ def step_shape(method: str, settings: Mapping[str, Any] | None = None) -> StepSh
 
 def method_cost(model_config: LlamaConfig | LoopedConfig, method: str,
                 settings: Mapping[str, Any] | None = None, *, cache_len: int,
-                dtype=jnp.float32, batch: int = 1, attention=dense_attention) -> ProgramCost:
-    """`forward_cost` of one step of `method` (see `step_shape`)."""
+                dtype=jnp.float32, batch: int = 1, attention=dense_attention,
+                mesh: Mesh | None = None) -> ProgramCost:
+    """`forward_cost` of one step of `method` (see `step_shape`); on `mesh`, one device's."""
     shape = step_shape(method, settings)
     return forward_cost(model_config, tokens=shape.tokens, cache_len=cache_len, dtype=dtype,
                         batch=batch, layout=shape.layout, logits_rows=shape.logits_rows,
-                        attention=attention)
+                        attention=attention, mesh=mesh)

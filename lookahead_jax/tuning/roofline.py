@@ -25,6 +25,17 @@ Devices are the vendors' published figures (`source` says which page and what it
 `measure_device` builds a `Device` for the machine it runs on from probes (a large array copy
 and a large read for bandwidth, a large float32 matmul for FLOP/s).
 
+Tensor parallelism (a mesh's "model" axis, `lookahead_jax.mesh`): each device runs one
+device's share of the step (`program_cost.forward_cost(..., mesh=...)` reads that program:
+its FLOPs and bytes are per device), and the row-parallel projections add two all-reduces per
+layer of the step's activations [tokens x hidden] over the interconnect (`Device.interconnect`):
+
+    time = max(bytes / bandwidth, FLOPs / peak) + layers x overhead_s
+           + 2 x layers x allreduce_time(tokens x hidden x itemsize)
+
+(`predict_tp_step_time`). A ring all-reduce sends and receives 2 (n - 1) / n of the buffer per
+device; the collectives' latency is not counted (see `allreduce_time`).
+
 Looped models (Ouro, Raven) spend loops of a shared block per token; a step that advances k
 tree nodes is one call of the block on k tokens, which costs about one loop while memory-bound.
 `predict_looped_token_time` is loops per token x the time of one loop call at the method's
@@ -60,7 +71,10 @@ PAPER_STEP_RATIO = 1.1  # a (15,5,15) step in plain steps, 7B on A100 (ALGORITHM
 class Device:
     """One accelerator as the roofline sees it. peak_flops: dense bfloat16 FLOP/s (no
     sparsity); bandwidth: HBM bytes/s; memory: bytes; overhead_s: seconds per layer per step
-    on top of the roofline (launches, host work); source: where the figures come from."""
+    on top of the roofline (launches, host work); source: where the figures come from.
+    interconnect: bytes/s one chip can send (and, at the same time, receive) to its peers in
+    one direction, what an all-reduce is limited by (0: not in the table);
+    interconnect_source: where that figure comes from."""
 
     name: str
     peak_flops: float
@@ -68,11 +82,15 @@ class Device:
     memory: float
     source: str
     overhead_s: float = PAPER_STACK_OVERHEAD_S
+    interconnect: float = 0.0
+    interconnect_source: str = ""
 
     def __post_init__(self):
         if min(self.peak_flops, self.bandwidth, self.memory) <= 0 or self.overhead_s < 0:
             raise ValueError(f"device {self.name}: peak, bandwidth and memory must be > 0 "
                              f"and the overhead >= 0")
+        if self.interconnect < 0:
+            raise ValueError(f"device {self.name}: the interconnect bandwidth must be >= 0")
 
     @property
     def ridge(self) -> float:
@@ -85,20 +103,35 @@ class Device:
 
 _NVIDIA = "NVIDIA {} datasheet: "
 _GCP = "Google Cloud TPU docs, page 'TPU {}': "
+# Interconnects, one direction per chip. NVLink figures in the datasheets are bidirectional
+# totals per GPU (over NVSwitch on the 8-GPU HGX boards, any GPU reaches any other at that
+# rate); the TPU docs give ICI bandwidth per chip, bidirectional, over all of its ports (a 2D
+# torus on v5e: an all-reduce over 8 chips reaches it only with rings in both directions on
+# every port, so for a TPU the figure is an upper bound).
+_NVLINK3 = (_NVIDIA.format("A100 Tensor Core GPU") + "NVIDIA NVLink 600GB/s (third "
+            "generation, bidirectional per GPU): 300 GB/s each way")
+_NVLINK4 = ("NVIDIA NVLink 900GB/s (fourth generation, bidirectional per GPU): 450 GB/s each "
+            "way")
 
 DEVICES: tuple[Device, ...] = (
     Device("A100 40GB SXM", 312 * TFLOPS, 1555 * GB, 40 * GB,
            _NVIDIA.format("A100 Tensor Core GPU") + "BF16 Tensor Core 312 TFLOPS (624 with "
-           "sparsity); A100 40GB SXM: 40GB HBM2, 1,555GB/s"),
+           "sparsity); A100 40GB SXM: 40GB HBM2, 1,555GB/s",
+           interconnect=300 * GB, interconnect_source=_NVLINK3),
     Device("A100 80GB SXM", 312 * TFLOPS, 2039 * GB, 80 * GB,
            _NVIDIA.format("A100 Tensor Core GPU") + "BF16 Tensor Core 312 TFLOPS (624 with "
-           "sparsity); A100 80GB SXM: 80GB HBM2e, 2,039GB/s"),
+           "sparsity); A100 80GB SXM: 80GB HBM2e, 2,039GB/s",
+           interconnect=300 * GB, interconnect_source=_NVLINK3),
     Device("H100 SXM", 989 * TFLOPS, 3350 * GB, 80 * GB,
            _NVIDIA.format("H100 Tensor Core GPU") + "H100 SXM BF16 Tensor Core 1,979 TFLOPS "
-           "with sparsity (989 dense); 80GB, 3.35TB/s"),
+           "with sparsity (989 dense); 80GB, 3.35TB/s",
+           interconnect=450 * GB,
+           interconnect_source=_NVIDIA.format("H100 Tensor Core GPU") + "H100 SXM " + _NVLINK4),
     Device("H200", 989 * TFLOPS, 4800 * GB, 141 * GB,
            _NVIDIA.format("H200 Tensor Core GPU") + "H200 SXM BF16 Tensor Core 1,979 TFLOPS "
-           "with sparsity (989 dense); 141GB HBM3e, 4.8TB/s"),
+           "with sparsity (989 dense); 141GB HBM3e, 4.8TB/s",
+           interconnect=450 * GB,
+           interconnect_source=_NVIDIA.format("H200 Tensor Core GPU") + "H200 SXM " + _NVLINK4),
     Device("L4", 121 * TFLOPS, 300 * GB, 24 * GB,
            _NVIDIA.format("L4 Tensor Core GPU") + "BF16 Tensor Core 242 TFLOPS with sparsity "
            "(121 dense); 24GB GDDR6, 300GB/s"),
@@ -107,10 +140,18 @@ DEVICES: tuple[Device, ...] = (
            "GiB, 1200 GBps"),
     Device("TPU v5e", 197 * TFLOPS, 819 * GB, 16 * GB,
            _GCP.format("v5e") + "peak compute per chip (bf16) 197 TFLOPs; HBM2 16 GB, 819 "
-           "GBps"),
+           "GBps",
+           interconnect=200 * GB,
+           interconnect_source=_GCP.format("v5e") + "bidirectional inter-chip interconnect (ICI) "
+           "bandwidth (per chip) 400 GBps, 4 ICI ports per chip, 2D torus (older revisions of "
+           "the page: 'Interchip Interconnect BW 1,600 Gbps'): 200 GB/s each way"),
     Device("TPU v5p", 459 * TFLOPS, 2765 * GB, 95 * GB,
            _GCP.format("v5p") + "peak compute per chip (bf16) 459 TFLOPs; HBM2e 95GB, 2765 "
-           "GBps"),
+           "GBps",
+           interconnect=600 * GB,
+           interconnect_source=_GCP.format("v5p") + "bidirectional inter-chip interconnect (ICI) "
+           "bandwidth (per chip) 1200 GBps, 3D torus (older revisions: 'Interchip Interconnect "
+           "BW 4800 Gbps'): 600 GB/s each way"),
     Device("TPU v6e", 918 * TFLOPS, 1638 * GB, 32 * GB,
            _GCP.format("v6e") + "(Trillium) peak compute per chip (bf16) 918 TFLOPs; HBM 32 "
            "GB, 1638 GBps"),
@@ -201,6 +242,52 @@ def overhead_from_step(measured_s: float, cost: ProgramCost, dev: Device, *, lay
     """Per-layer overhead that makes the prediction of `cost` equal a measured step time
     (0 when the roofline alone is slower than the measurement)."""
     return max(0.0, (measured_s - roofline_time(cost, dev, itemsize)) / layers)
+
+
+# -- tensor parallelism -------------------------------------------------------------------------
+def allreduce_time(nbytes: float, devices: int, dev: Device) -> float:
+    """Seconds of one all-reduce of an `nbytes` buffer over `devices` devices on `dev`'s
+    interconnect: a ring all-reduce (a reduce-scatter, then an all-gather) sends and receives
+    2 (devices - 1) / devices x nbytes per device, at `dev.interconnect` bytes/s each way.
+    0 on one device. Bandwidth only: the fixed latency of a collective (microseconds per
+    call: launch and synchronisation) is not counted; the per-layer overhead term stands
+    for such fixed costs."""
+    if devices < 1 or nbytes < 0:
+        raise ValueError(f"allreduce_time: need devices >= 1 and nbytes >= 0, got {devices}, "
+                         f"{nbytes}")
+    if devices == 1:
+        return 0.0
+    if dev.interconnect <= 0:
+        raise ValueError(f"device {dev.name}: no interconnect bandwidth in the table, so no "
+                         f"all-reduce time (set Device.interconnect)")
+    return 2.0 * (devices - 1) / devices * nbytes / dev.interconnect
+
+
+def tp_allreduce_bytes(cfg: LlamaConfig, tokens: int, itemsize: int = 2, batch: int = 1) -> int:
+    """Bytes of one tensor-parallel all-reduce of a step of `tokens` tokens per row: the
+    residual stream's [batch, tokens, hidden] after a row-parallel projection (o_proj or
+    down_proj), at `itemsize` bytes per element."""
+    return int(batch * tokens * cfg.hidden_size * itemsize)
+
+
+def tp_collective_time(cfg: LlamaConfig, tokens: int, model_devices: int, dev: Device,
+                       itemsize: int = 2, batch: int = 1) -> float:
+    """Seconds of a step's tensor-parallel all-reduces: 2 per layer (after the attention's
+    output projection and after the MLP's down projection), each `tp_allreduce_bytes`, over
+    `model_devices` devices. Not counted: the embedding's (one more of the same size, when
+    the table is split over the vocabulary) and the logits' (the readout rows' argmax or
+    values over a vocabulary split, a few kilobytes)."""
+    per = allreduce_time(tp_allreduce_bytes(cfg, tokens, itemsize, batch), model_devices, dev)
+    return 2 * cfg.num_layers * per
+
+
+def predict_tp_step_time(cost: ProgramCost, dev: Device, cfg: LlamaConfig, itemsize: int = 2,
+                         *, model_devices: int, batch: int = 1) -> float:
+    """Predicted seconds of one tensor-parallel step: `predict_step_time` of one device's
+    program (`cost` from `forward_cost(..., mesh=...)`: per-device FLOPs and bytes) plus the
+    step's all-reduces (`tp_collective_time` of `cost.tokens` tokens over `model_devices`)."""
+    return (predict_step_time(cost, dev, itemsize, layers=layers_of(cfg))
+            + tp_collective_time(cfg, cost.tokens, model_devices, dev, itemsize, batch))
 
 
 # -- looped models -------------------------------------------------------------------------------
