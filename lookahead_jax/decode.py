@@ -234,16 +234,21 @@ def run(opts: Options, stdin: TextIO | None = None, stdout: TextIO | None = None
 
 
 def _distributed(opts: Options) -> bool:
+    """Multi-host: any of the flags, or JAX's own JAX_COORDINATOR_ADDRESS in the environment."""
     return any(v is not None for v in (opts.coordinator_address, opts.num_processes,
-                                       opts.process_id))
+                                       opts.process_id)) or bool(
+        os.environ.get("JAX_COORDINATOR_ADDRESS"))
 
 
 def _run(opts: Options, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
     preset = load_preset(opts.config)
     check_options(opts)
     if _distributed(opts):  # before anything starts a JAX backend
-        print(f"distributed: process {opts.process_id} of {opts.num_processes}, coordinator "
-              f"{opts.coordinator_address}; every process must join within "
+        env = "from the environment"
+        print(f"distributed: process {opts.process_id if opts.process_id is not None else env}"
+              f" of {opts.num_processes or env}, coordinator "
+              f"{opts.coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS', env)}; "
+              f"every process must join within "
               f"{opts.distributed_timeout} s (else they abort with DEADLINE_EXCEEDED)",
               file=stderr, flush=True)
         init_distributed(opts.coordinator_address, opts.num_processes, opts.process_id,

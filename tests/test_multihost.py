@@ -123,3 +123,13 @@ def test_mismatched_process_count_fails():
     assert ("started with --num_processes=3, but the coordinator at "
             f"localhost:{port} runs 2 processes") in err1
     assert time.monotonic() - t0 < 3 * TIMEOUT + 60
+
+
+def test_environment_alone_starts_distributed(monkeypatch):
+    """JAX's own variables, without the flags, also start jax.distributed."""
+    from lookahead_jax.decode import Options, _distributed  # noqa: PLC0415
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    assert not _distributed(Options())
+    assert _distributed(Options(num_processes=2))
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1234")
+    assert _distributed(Options())

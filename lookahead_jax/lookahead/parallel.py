@@ -1,7 +1,10 @@
 """Lookahead parallelism: one step's window columns and candidates split across devices.
 
 Every device holds the whole model, the whole KV cache, the window and the n-gram pool
-(replicated over a 1-D mesh, axis `AXIS`). Inside one `jax.shard_map` the whole generation is
+(replicated over a 1-D mesh, axis `AXIS`). On a two-axis mesh (`lookahead_jax.mesh`:
+lookahead x model) "a device" below is a group of `model` devices that holds the model and
+cache sharded by tensor parallelism: the shard_map is manual over `AXIS` only, and XLA
+partitions each group's forward pass over its model axis. Inside one `jax.shard_map` the whole generation is
 one `lax.while_loop`; each step, device d feeds only its share of the step (`ShardedLayout`):
 
     [pending accepted tokens (N-1 slots) | level 0 (replicated) | its window columns'
