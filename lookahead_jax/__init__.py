@@ -14,7 +14,9 @@ Where things are:
                                       LoopAhead, the drafter
   tuning/                             the scaling law, the step-cost curve, --auto
   store/                              presets, checkpoints, tokenizer, the default model
-  decode.py                           the command line
+  serving/                            continuous batching (slots.py: the slot engine), the
+                                      scheduler, the OpenAI-compatible HTTP server
+  decode.py, serve.py                 the command lines: decode, and the server
 
 The names below load on first use (PEP 562), so `import pallas_kernels` or `import models`
 never pulls in the engine.
@@ -37,6 +39,8 @@ _EXPORTS = {
     "Lookahead": "lookahead_jax.lookahead.step",
     "LoopSpec": "lookahead_jax.looped.loopspec",
     "LoopAhead": "lookahead_jax.looped.loopahead",
+    "SlotEngine": "lookahead_jax.serving.slots",
+    "SlotRequest": "lookahead_jax.serving.slots",
 }
 __all__ = sorted(_EXPORTS)
 

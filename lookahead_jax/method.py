@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from lookahead_jax.generation import Output, prefill, run_steps
-from lookahead_jax.sampling import Sampling
+from lookahead_jax.sampling import Sampling, SamplingParams
 from models.config import ConfigError
 from models.kv_cache import KVCache
 
@@ -71,7 +71,8 @@ class Method:
     name = "method"  # the registry name (a class attribute, not a field)
 
     def __post_init__(self):
-        if not isinstance(self.sampling, Sampling):  # e.g. a config passed positionally
+        if not isinstance(self.sampling, (Sampling, SamplingParams)):  # e.g. a config passed
+            # positionally; SamplingParams: the server's per-slot values, inside its programs
             raise ConfigError(f"{type(self).__name__}: sampling must be a Sampling, got "
                               f"{self.sampling!r} (pass other settings by keyword)")
 

@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from models.config import ConfigError
 
@@ -61,4 +62,50 @@ class Sampling:
         """logits [..., V] -> token ids [...] int32."""
         if self.greedy:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return jax.random.categorical(key, self.log_probs(logits), axis=-1).astype(jnp.int32)
+
+
+@struct.dataclass
+class SamplingParams:
+    """A `Sampling` whose values are arrays: one compiled program serves every temperature,
+    top-k and top-p (the server's slots each carry their own). Never greedy (greedy decoding
+    takes other branches, so it stays a static `Sampling()`).
+
+    `log_probs` gives exactly `Sampling(temperature, top_k, top_p).log_probs` (the same
+    operations on the same values; top-k's threshold is read from a sort instead of
+    `lax.top_k`, which returns the same value), so a draw with the same key is the same token.
+    """
+
+    temperature: jax.Array  # [] float32, > 0
+    top_k: jax.Array  # [] int32, 0 = off
+    top_p: jax.Array  # [] float32 in (0, 1]
+
+    greedy = False  # a class attribute, as Sampling.greedy is a property
+
+    @classmethod
+    def of(cls, sampling: Sampling) -> "SamplingParams":
+        if sampling.greedy:
+            raise ConfigError("SamplingParams holds sampling settings; greedy is Sampling()")
+        return cls(jnp.float32(sampling.temperature), jnp.int32(sampling.top_k),
+                   jnp.float32(sampling.top_p))
+
+    def log_probs(self, logits: jax.Array) -> jax.Array:
+        x = logits.astype(jnp.float32)
+        v = x.shape[-1]
+        tiny = float(jnp.finfo(jnp.float32).tiny)
+        x = (x - x.max(-1, keepdims=True)) / jnp.maximum(self.temperature, tiny)
+        descending = jnp.sort(x, axis=-1)[..., ::-1]
+        k = jnp.clip(self.top_k, 1, v)
+        kth = jnp.take_along_axis(descending, jnp.broadcast_to(k - 1, x.shape[:-1])[..., None],
+                                  axis=-1)
+        x = jnp.where((self.top_k > 0) & (self.top_k < v) & (x < kth), -jnp.inf, x)
+        sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
+        p = jax.nn.softmax(sorted_x, axis=-1)
+        before = jnp.cumsum(p, axis=-1) - p
+        threshold = jnp.min(jnp.where(before < self.top_p, sorted_x, jnp.inf), axis=-1,
+                            keepdims=True)
+        x = jnp.where((self.top_p < 1.0) & (x < threshold), -jnp.inf, x)
+        return jax.nn.log_softmax(x, axis=-1)
+
+    def sample(self, key: jax.Array, logits: jax.Array) -> jax.Array:
         return jax.random.categorical(key, self.log_probs(logits), axis=-1).astype(jnp.int32)

@@ -93,3 +93,11 @@ def tiny_bpe_tokenizer(corpus: list[str], vocab_size: int):
         tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
         chat_template="{% for m in messages %}<s>user: {{ m['content'] }}\n{% endfor %}"
                       "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def served_engine(hf_ckpt):
+    """The tiny Llama with its tokenizer as one Engine for the serving tests (test_slots,
+    test_serve): its compiled programs (the slots' lanes, the offline references) are shared."""
+    from lookahead_jax import Engine  # noqa: PLC0415
+    return Engine.from_preset("tiny_llama", ckpt=hf_ckpt)

@@ -136,10 +136,15 @@ def encode_prompt(tok, text: str, chat: bool) -> list[int]:
     (e.g. Llama's BOS; nothing for SmolLM2).
     """
     if chat:
-        if not getattr(tok, "chat_template", None):
-            raise ConfigError("this tokenizer has no chat template: encode the prompt with "
-                              "chat=False")
-        rendered = tok.apply_chat_template([{"role": "user", "content": text}],
-                                           add_generation_prompt=True, tokenize=False)
-        return list(tok.encode(rendered, add_special_tokens=False))
+        return encode_messages(tok, [{"role": "user", "content": text}])
     return list(tok.encode(text, add_special_tokens=True))
+
+
+def encode_messages(tok, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation ([{"role": ..., "content": ...}, ...]) through the
+    tokenizer's chat template, with the assistant's turn opened (add_generation_prompt)."""
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError("this tokenizer has no chat template: encode the prompt with "
+                          "chat=False")
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tok.encode(rendered, add_special_tokens=False))
