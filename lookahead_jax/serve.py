@@ -1,8 +1,9 @@
 """The OpenAI-compatible server: `python -m lookahead_jax.serve --config=smollm2_135m --port=8000`.
 
 Loads a preset (the embedded SmolLM2 by default) and serves /v1/completions and
-/v1/chat/completions (streaming or not), /v1/models, /health and /metrics on one device, with
-continuous batching over --slots slots (`lookahead_jax.serving`). Each request picks its
+/v1/chat/completions (streaming or not), /v1/models, /health and /metrics, with continuous
+batching over --slots slots (`lookahead_jax.serving`), on one device or tensor-parallel over
+a mesh's model axis (--mesh=model:4). Each request picks its
 method and settings in the `lookahead` field, up to the server's maximum (--W/--N/--G, default
 the preset's; --pl_tokens/--pl_ngram); see `lookahead_jax.serving.api` for every field.
 
@@ -37,6 +38,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--config", default="smollm2_135m", help="preset name (configs/)")
     p.add_argument("--ckpt", default=None, help="checkpoint overriding the preset's")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
+    p.add_argument("--mesh", default=None,
+                   help="tensor parallelism, e.g. model:4: parameters and every slot's KV cache "
+                        "split over 4 devices (default: the preset's mesh, else one device)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     p.add_argument("--slots", type=int, default=8, help="requests decoded at once")
@@ -61,6 +65,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def build_server(args: argparse.Namespace) -> Server:
     kw = {"dtype": args.dtype} if args.dtype else {}
+    if args.mesh:
+        kw["mesh"] = args.mesh
     engine = Engine.from_preset(args.config, ckpt=args.ckpt, devices=1, **kw)
     la = engine.lookahead
     limits = Limits(max_len=args.max_len, max_tokens=args.max_tokens,

@@ -47,7 +47,7 @@ from test_looped import CONFIGS, _perturb_norms  # noqa: E402
 
 @pytest.mark.skipif(ON_8_CPU_DEVICES, reason="already running on 8 CPU devices")
 def test_on_8_cpu_devices():
-    rerun_on_8_cpu_devices(__file__, min_passed=15)
+    rerun_on_8_cpu_devices(__file__, min_passed=16)
 
 
 # ------------------------------------------------------------------------------- no devices ---
@@ -249,3 +249,38 @@ def test_cli_mesh_errors():
         assert code == 2 and msg in err and "Traceback" not in err, (kw, err)
     with pytest.raises(ConfigError, match="runs dense attention"):
         Engine(make_model(), eos_ids=(), mesh="model:2", attention="pallas")
+
+
+# ----------------------------------------------------------------------------- serving ---
+@needs8
+def test_slot_engine_on_a_model_axis_equals_one_device():
+    """The server's slot engine on model:4 (parameters and every slot's cache split over KV
+    heads): mixed methods, greedy and sampling, requests joining and leaving two slots; each
+    request's tokens equal the one-device offline run's."""
+    from lookahead_jax.serving.slots import Limits, SlotEngine, SlotRequest  # noqa: PLC0415
+
+    sharded = Engine(make_model(**SHAPES["mha8"]), eos_ids=(), lookahead=LOOK, mesh="model:4")
+    slots = SlotEngine(sharded, slots=2, limits=Limits(max_len=64, max_tokens=NEW, W=5, N=3,
+                                                       G=5))
+    runs = ("lookahead", "lookahead_sampling", "prompt_lookup")  # three lanes (CI's time)
+    requests = []
+    for run in runs:
+        g = RUNS[run]
+        for p in PROMPTS[:2]:
+            requests.append((run, p, SlotRequest(p, method=g["method"], max_tokens=NEW,
+                                                 sampling=g.get("sampling", Sampling()),
+                                                 seed=g.get("seed", 0))))
+    out, waiting, owner = {}, list(range(len(requests))), {}
+    while waiting or slots.live:
+        while waiting and slots.free:
+            i = waiting.pop(0)
+            handle, first = slots.admit(requests[i][2])
+            owner[handle], out[i] = i, list(first.ids)
+        for handle, update in slots.step().items():
+            out[owner[handle]].extend(update.ids)
+            if update.done:
+                slots.evict(handle)
+    assert all(lane.state is None for lane in slots.lanes.values())  # every slot freed
+    one = Engine(make_model(**SHAPES["mha8"]), eos_ids=(), lookahead=LOOK)
+    for i, (run, p, _) in enumerate(requests):
+        assert out[i] == one.generate_ids([p], max_new_tokens=NEW, **RUNS[run]).tokens[0], run

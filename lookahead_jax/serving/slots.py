@@ -22,7 +22,7 @@ Static shapes per server: every row has a cache of `cache_len` positions (the co
 `max_tokens` is applied on the host (the first max_tokens tokens of a longer run are the
 tokens of the shorter run).
 
-    slots = SlotEngine(engine, slots=8, max_len=1024, max_tokens=256)
+    slots = SlotEngine(engine, slots=8, limits=Limits(max_len=1024, max_tokens=256))
     handle, first = slots.admit(SlotRequest(ids, method="lookahead", settings={"W": 7}))
                                                            # = insert(prefill(request))
     while slots.live:
@@ -33,6 +33,7 @@ tokens of the shorter run).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 from typing import Any
@@ -44,6 +45,7 @@ from flax import nnx
 
 from lookahead_jax.generation import bucket_length, pad_prompts
 from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.mesh import put_global, state_shardings, to_host
 from lookahead_jax.method import Method
 from lookahead_jax.prompt_lookup import DEFAULT_NGRAM, DEFAULT_TOKENS
 from lookahead_jax.sampling import Sampling, SamplingParams
@@ -108,6 +110,12 @@ class Prefilled:
     request: SlotRequest
     template: Method
     state: Any
+
+
+def _placed(x) -> bool:
+    """A committed array or a tree of them (a state): left where it is."""
+    leaves = jax.tree.leaves(x)
+    return bool(leaves) and all(isinstance(a, jax.Array) and a.committed for a in leaves)
 
 
 def _bind(template: Method, sp: SamplingParams | None) -> Method:
@@ -176,14 +184,17 @@ def _resize(rows: int, state):
     return _with_done(grown, done)
 
 
-_JIT = {
-    "init": jax.jit(_init_fn, static_argnums=(0, 1, 2, 3), donate_argnums=(7,)),
-    "step": jax.jit(_step_fn, static_argnums=(0, 1, 2), donate_argnums=(4,)),
-    "put": jax.jit(_put_row, donate_argnums=(0,)),
-    "remove": jax.jit(_remove_row, donate_argnums=(0,)),
-    "read": jax.jit(_read),
-    "resize": jax.jit(_resize, static_argnums=(0,)),  # a new shape: nothing to donate
+# kind -> (function, static argnums, donated argnums)
+_PROGRAMS = {
+    "init": (_init_fn, (0, 1, 2, 3), (7,)),
+    "step": (_step_fn, (0, 1, 2), (4,)),
+    "put": (_put_row, (), (0,)),
+    "remove": (_remove_row, (), (0,)),
+    "read": (_read, (), ()),
+    "resize": (_resize, (0,), ()),  # a new shape: nothing to donate
 }
+_JIT = {kind: jax.jit(fn, static_argnums=st, donate_argnums=do)
+        for kind, (fn, st, do) in _PROGRAMS.items()}
 
 
 class Lane:
@@ -205,20 +216,21 @@ class Lane:
     def sampling_params(self):
         if not self.sampled:
             return None
-        return SamplingParams(jnp.asarray(self.sp["temperature"]), jnp.asarray(self.sp["top_k"]),
-                              jnp.asarray(self.sp["top_p"]))
+        return SamplingParams(self.sp["temperature"], self.sp["top_k"], self.sp["top_p"])
 
 
 class SlotEngine:
     """Continuous batching over `slots` slots (see the module docstring).
 
-    engine: a loaded `Engine` (one device; its lookahead settings are the per-request default).
+    engine: a loaded `Engine`; its lookahead settings are the per-request default. On a mesh
+        with a model axis (`Engine(mesh="model:4")`) the model and every slot's cache are
+        sharded over it (tensor parallelism) and every program is compiled for the mesh.
     limits: the server's maximum settings (default: the engine's lookahead W, N, G)."""
 
     def __init__(self, engine, *, slots: int = 8, limits: Limits | None = None):
-        if engine.mesh is not None or engine.devices > 1:
-            raise ConfigError("the slot engine serves a model on one device: a mesh or "
-                              "lookahead parallelism is not supported by the server yet")
+        if engine.devices > 1:
+            raise ConfigError("the slot engine runs tensor parallelism (a mesh's model axis), "
+                              "not lookahead parallelism: give a mesh whose lookahead axis is 1")
         if slots < 1:
             raise ConfigError(f"slots must be >= 1, got {slots}")
         la = engine.lookahead or LookaheadConfig()
@@ -296,12 +308,30 @@ class SlotEngine:
 
     # -- compiled programs ------------------------------------------------------------------
     def _run(self, kind: str, statics: tuple, *args):
-        key = ("slots", kind, statics, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args)))
+        key = ("slots", kind, statics,
+               tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args)))
+        mesh = self.engine.mesh
+        if mesh is not None:  # host values replicated; states keep their placement
+            args = tuple(a if isinstance(a, dict) or _placed(a) else put_global(a, mesh)
+                         for a in args)
         if key not in self._compiled:
             t0 = time.perf_counter()
-            self._compiled[key] = _JIT[kind].lower(*statics, *args).compile()
+            if mesh is None:
+                self._compiled[key] = _JIT[kind].lower(*statics, *args).compile()
+            else:  # every state leaves a program laid out as `state_shardings` says
+                fn, static, donate = _PROGRAMS[kind]
+                with jax.set_mesh(mesh):
+                    out = jax.eval_shape(functools.partial(fn, *statics), *args)
+                    self._compiled[key] = jax.jit(
+                        fn, static_argnums=static, donate_argnums=donate,
+                        out_shardings=state_shardings(out, mesh)).lower(*statics, *args).compile()
             self.compile_s += time.perf_counter() - t0
         return self._compiled[key](*args)
+
+    def _place(self, state):
+        """A state built outside the compiled programs, laid out as they lay theirs out."""
+        mesh = self.engine.mesh
+        return state if mesh is None else jax.device_put(state, state_shardings(state, mesh))
 
     @staticmethod
     def _template(method: Method) -> Method:
@@ -313,8 +343,8 @@ class SlotEngine:
         cache = self.engine._init_cache(1, self.cache_len, self.engine.dtype)
         sp = None if request.sampling.greedy else SamplingParams.of(request.sampling)
         statics = (template, self.engine.graphdef, self.limits.max_tokens, self.engine.eos_ids)
-        return self._run("init", statics, self._params, jnp.asarray(tokens),
-                         jnp.asarray(lengths), cache, jax.random.key(request.seed), sp)
+        return self._run("init", statics, self._params, tokens, lengths, cache,
+                         jax.random.key(request.seed), sp)
 
     def _lane_shapes(self, template: Method):
         """The row state's shapes at the longest prompt bucket (the lane's shapes)."""
@@ -349,7 +379,8 @@ class SlotEngine:
             lane = self.lanes[template] = Lane(template)
         if lane.shapes is None:
             lane.shapes = self._lane_shapes(template)
-        return Prefilled(request, template, _fit(self._init_row(request, template), lane.shapes))
+        return Prefilled(request, template,
+                         self._place(_fit(self._init_row(request, template), lane.shapes)))
 
     def insert(self, prefilled: Prefilled) -> tuple[int, Update]:
         """Puts a prefilled request into a free slot (its lane grows to the next power of two
@@ -366,7 +397,7 @@ class SlotEngine:
         else:
             if r >= lane.rows:
                 lane.state = self._run("resize", (2 * lane.rows,), lane.state)
-            lane.state = self._run("put", (), lane.state, prefilled.state, jnp.int32(r))
+            lane.state = self._run("put", (), lane.state, prefilled.state, np.int32(r))
         lane.handles.append(handle)
         lane.sent = np.append(lane.sent, 0)
         if lane.sampled:
@@ -387,7 +418,7 @@ class SlotEngine:
         return self.insert(self.prefill(request))
 
     def _updates(self, lane: Lane) -> dict[int, Update]:
-        count, done, tokens, steps = jax.device_get(self._run("read", (), lane.state))
+        count, done, tokens, steps = (to_host(x) for x in self._run("read", (), lane.state))
         updates = {}
         for r, handle in enumerate(lane.handles):
             limit = self._requests[handle].max_tokens
@@ -421,7 +452,7 @@ class SlotEngine:
         r = lane.handles.index(handle)
         last = len(lane.handles) - 1
         if last > 0:  # the last live row moves into row r; row `last` becomes inert
-            lane.state = self._run("remove", (), lane.state, jnp.int32(r), jnp.int32(last))
+            lane.state = self._run("remove", (), lane.state, np.int32(r), np.int32(last))
             lane.handles[r] = lane.handles[last]
             lane.sent[r] = lane.sent[last]
             for v in lane.sp.values():
