@@ -235,6 +235,8 @@ BAD = [
     ("completions", {"prompt": "hi", "lookahead": {"G": 99}}, None, "lookahead.G"),
     ("completions", {"prompt": "hi", "lookahead": {"method": "beam"}}, None, "lookahead.method"),
     ("completions", {"prompt": "hi", "n": 2}, None, "n"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, None,
+     "logprobs"),
     ("completions", {"prompt": "hi", "stop": [1]}, None, "stop"),
 ]
 

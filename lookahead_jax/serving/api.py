@@ -34,9 +34,11 @@ from lookahead_jax.sampling import Sampling
 from lookahead_jax.serving.slots import METHOD_SETTINGS, RequestError, SERVED_METHODS, SlotRequest
 
 ROLES = ("system", "user", "assistant")
-_DEFAULT_ONLY = {"n": 1, "echo": False, "logprobs": None, "top_logprobs": None,
-                 "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
-                 "best_of": 1, "suffix": None}
+# fields this server takes only at values that change nothing (absent = the first value)
+_DEFAULT_ONLY = {"n": (1,), "echo": (False,), "logprobs": (None, False),
+                 "top_logprobs": (None, 0), "logit_bias": (None, {}),
+                 "presence_penalty": (0,), "frequency_penalty": (0,), "best_of": (1,),
+                 "suffix": (None,), "tools": (None, []), "response_format": (None, {"type": "text"})}
 
 
 @dataclasses.dataclass
@@ -46,6 +48,15 @@ class Parsed:
     stream: bool
     return_ids: bool
     chat: bool
+
+
+def _same(value: Any, accepted: Any) -> bool:
+    """value == accepted, where 0 and 0.0 are the same but False and 0 are not."""
+    numbers = (int, float)
+    if isinstance(value, numbers) and isinstance(accepted, numbers) and not (
+            isinstance(value, bool) or isinstance(accepted, bool)):
+        return value == accepted
+    return type(value) is type(accepted) and value == accepted
 
 
 def _number(body: dict, name: str, default: float) -> float:
@@ -77,10 +88,11 @@ def parse(body: Any, *, chat: bool, model_name: str, default_method: str, max_to
     if model != model_name:
         raise RequestError("model", f"unknown model {model!r}: this server serves "
                                     f"{model_name!r}")
-    for name, default in _DEFAULT_ONLY.items():
-        if body.get(name, default) not in (default, None):
-            raise RequestError(name, f"{name}={body[name]!r} is not supported (only "
-                                     f"{default!r})")
+    for name, accepted in _DEFAULT_ONLY.items():
+        value = body.get(name, accepted[0])
+        if value is not None and not any(_same(value, a) for a in accepted if a is not None):
+            raise RequestError(name, f"{name}={value!r} is not supported (only "
+                                     f"{' or '.join(repr(a) for a in accepted)})")
     ids = _messages(body, encode_chat) if chat else _prompt(body, encode_text)
 
     n_tokens = _integer(body, "max_tokens", None)
