@@ -27,7 +27,7 @@ from lookahead_jax.serving import api
 from lookahead_jax.serving.metrics import CONTENT_TYPE
 from lookahead_jax.serving.scheduler import Draining, Event, Job, Scheduler
 from lookahead_jax.serving.slots import RequestError, SlotEngine, request_settings
-from lookahead_jax.store.tokenizer import encode_messages
+from lookahead_jax.store.tokenizer import encode_messages, encode_prompt
 from models.config import ConfigError
 
 log = logging.getLogger("lookahead_jax.serve")
@@ -44,11 +44,10 @@ class Server:
         self.retry_after_s = retry_after_s
         tok = engine.tokenizer
         self._encode_text = None if tok is None else (
-            lambda text: list(tok.encode(text, add_special_tokens=True)))
+            lambda text: encode_prompt(tok, text, chat=False))
         self._encode_chat = None if getattr(tok, "chat_template", None) is None else (
             lambda messages: encode_messages(tok, messages))
-        decode = (lambda ids: "") if tok is None else (
-            lambda ids: tok.decode(ids, skip_special_tokens=True))
+        decode = (lambda ids: "") if tok is None else engine.decode
         self.scheduler = Scheduler(slots, decode, queue_size=queue_size)
         self.metrics = self.scheduler.metrics
         self.app = web.Application(client_max_size=8 * 2 ** 20)
@@ -136,10 +135,7 @@ class Server:
             if parsed.stream:
                 return await self._stream(request, parsed, job, events)
             return await self._collect(request, parsed, job, events)
-        except (ConnectionResetError, asyncio.CancelledError):
-            self.scheduler.cancel(job)
-            raise
-        except BaseException:
+        except BaseException:  # the client went away (or the handler was cancelled)
             self.scheduler.cancel(job)
             raise
 

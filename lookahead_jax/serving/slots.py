@@ -312,8 +312,7 @@ class SlotEngine:
                tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args)))
         mesh = self.engine.mesh
         if mesh is not None:  # host values replicated; states keep their placement
-            args = tuple(a if isinstance(a, dict) or _placed(a) else put_global(a, mesh)
-                         for a in args)
+            args = tuple(a if _placed(a) else put_global(a, mesh) for a in args)
         if key not in self._compiled:
             t0 = time.perf_counter()
             if mesh is None:
