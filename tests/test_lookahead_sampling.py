@@ -25,10 +25,11 @@ from lookahead_jax.engine import Engine
 from lookahead_jax.generation import cache_length_for, pad_prompts
 from lookahead_jax.sampling import Sampling
 from lookahead_jax.lookahead.step import Lookahead
-from lookahead_jax.lookahead.verify import Verdict, verify_sampling
+from lookahead_jax.lookahead.verify import verify_sampling
 from models import KVCache, Llama, LlamaConfig
 from models.config import ConfigError
 from models.layers import causal_mask
+from sampling_checks import chi_square, single_device, wrong_verdict
 
 V = 6
 NEW = 3  # tokens whose joint distribution is tested
@@ -99,31 +100,6 @@ def exact_joint(exact_logits, sampling: Sampling) -> np.ndarray:
     return p(l0)[:, None, None] * p(l1)[:, :, None] * p(l2)
 
 
-def chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int, float]:
-    """Pearson's test of counts against probs (same shape). Cells expecting < 5 are merged
-    (into the smallest remaining cell if they still expect < 5 together). Returns the
-    statistic, the degrees of freedom and the p-value (the chi-square survival function,
-    Q(df/2, x/2), via jax.scipy.special.gammaincc)."""
-    counts = counts.ravel().astype(np.float64)
-    expected = probs.ravel() / probs.sum() * counts.sum()
-    big = expected >= 5
-    obs, exp = list(counts[big]), list(expected[big])
-    if (~big).any():
-        o, e = counts[~big].sum(), expected[~big].sum()
-        if e >= 5 or not exp:
-            obs.append(o)
-            exp.append(e)
-        else:
-            i = int(np.argmin(exp))
-            obs[i] += o
-            exp[i] += e
-    obs, exp = np.array(obs), np.array(exp)
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    df = len(obs) - 1
-    p = float(jax.scipy.special.gammaincc(df / 2.0, stat / 2.0))
-    return stat, df, p
-
-
 def warp_reference(logits: np.ndarray, s: Sampling) -> np.ndarray:
     """numpy: temperature, then keep the top_k largest, then the smallest set of most likely
     tokens whose mass reaches top_p; renormalised probabilities."""
@@ -152,11 +128,17 @@ def test_warping_matches_a_reference():
 
 
 def test_chi_square_helper():
-    """The p-value helper against known chi-square quantiles, and on a fair die."""
-    # chi2.sf(3.841, 1) = 0.05; chi2.sf(18.307, 10) = 0.05; chi2.sf(29.588, 10) = 0.001
-    for x, df, p in [(3.841, 1, 0.05), (18.307, 10, 0.05), (29.588, 10, 0.001)]:
-        got = float(jax.scipy.special.gammaincc(df / 2.0, x / 2.0))
-        assert abs(got - p) < 1e-3 * p + 1e-5, (x, df, got)
+    """The chi-square helper (sampling_checks.chi_square): its statistic and p-value on counts
+    worked out by hand, a fair die, a loaded one, and the pooling of sparse cells."""
+    # (60 - 50)^2 / 50 + (40 - 50)^2 / 50 = 4 on 1 df: p = P(chi2_1 > 4) = 0.0455
+    stat, df, p = chi_square(np.array([60, 40]), np.array([0.5, 0.5]))
+    assert (stat, df) == (4.0, 1) and abs(p - 0.0455) < 1e-4
+    # chi2.sf(18.307, 10) = 0.05: 11 cells
+    counts = np.full(11, 100.0)
+    counts[0] += np.sqrt(18.307 * 100 * 10 / 11)
+    counts[1:] -= np.sqrt(18.307 * 100 * 10 / 11) / 10
+    stat, df, p = chi_square(counts, np.ones(11))
+    assert df == 10 and abs(p - 0.05) < 2e-3, (stat, p)
     rng = np.random.default_rng(0)
     fair = np.bincount(rng.integers(0, 6, 6000), minlength=6)
     assert chi_square(fair, np.ones(6))[2] > ALPHA
@@ -227,7 +209,7 @@ def check(name, exact_logits, tokens, stats=None):
     counts = joint_counts(tokens)
     outside = int(counts[probs == 0].sum())  # tokens that top-k / top-p removed
     stat, df, p = chi_square(counts[probs > 0], probs[probs > 0])
-    shown = f"{p:.3g}" if p > 0 else "< 1e-38 (underflows float32)"
+    shown = f"{p:.3g}" if p > 0 else "< 1e-300 (underflows float64)"
     print(f"\n{name}: chi2={stat:.1f} df={df} p={shown} outside-support={outside} "
           f"stats={stats}")
     return p, outside
@@ -235,69 +217,10 @@ def check(name, exact_logits, tokens, stats=None):
 
 # ------------------------------------------------------------------ wrong rules ---
 
-def rejection_verifier(rule: str):
-    """verify_sampling's structure, copied, with its acceptance rule replaced:
-    "no_renorm": accept candidate c with its original P(c), not its probability under the
-    residual renormalised after earlier rejections; "threshold": accept c exactly when
-    P(c) > 0.2 (no randomness)."""
-
-    def verify(key, sampling, logits0, cand_logits, cands, valid):
-        b, g, n1 = cands.shape
-        rows = jnp.arange(b)
-        k_try, k_res = jax.random.split(key)
-        u = jax.random.uniform(k_try, (b, n1, max(g, 1)))
-        res_keys = jax.random.split(k_res, n1 + 1)
-
-        def target(logits):
-            return jax.nn.softmax(sampling.log_probs(logits), axis=-1)
-
-        probs = target(logits0)
-        alive = valid
-        accepted = jnp.zeros((b,), jnp.int32)
-        stopped = jnp.zeros((b,), bool)
-        final = jnp.zeros((b,), jnp.int32)
-        for j in range(n1 if g else 0):
-            active = ~stopped
-            res = probs
-            decided = ~active
-            token_j = jnp.zeros((b,), jnp.int32)
-            for gi in range(g):
-                c = cands[:, gi, j]
-                seen = jnp.zeros((b,), bool)
-                for gp in range(gi):
-                    seen = seen | (alive[:, gp] & (cands[:, gp, j] == c))
-                trial = alive[:, gi] & ~decided & ~seen
-                if rule == "no_renorm":  # WRONG: P(c), not res(c) / sum(res)
-                    accept = trial & (u[:, j, gi] < probs[rows, c])
-                else:  # "threshold", WRONG: deterministic
-                    accept = trial & (probs[rows, c] > 0.2)
-                reject = trial & ~accept
-                res = jnp.where(reject[:, None], res.at[rows, c].set(0.0), res)
-                token_j = jnp.where(accept, c, token_j)
-                decided = decided | accept
-            took = decided & active
-            drawn = jax.random.categorical(res_keys[j], jnp.log(res), axis=-1).astype(jnp.int32)
-            final = jnp.where(active & ~took, drawn, final)
-            stopped = stopped | (active & ~took)
-            accepted = accepted + took.astype(jnp.int32)
-            alive = jnp.where(took[:, None], alive & (cands[:, :, j] == token_j[:, None]), alive)
-            rep = jnp.argmax(alive, axis=1)
-            probs = target(cand_logits[rows, rep, j])
-        drawn = jax.random.categorical(res_keys[n1], jnp.log(probs), axis=-1).astype(jnp.int32)
-        final = jnp.where(stopped, final, drawn)
-        best = jnp.argmax(alive, axis=1).astype(jnp.int32) if g else jnp.zeros((b,), jnp.int32)
-        base = cands[rows, best] if g else jnp.zeros((b, n1), jnp.int32)
-        tokens = jnp.concatenate([base, jnp.zeros((b, 1), jnp.int32)], axis=1)
-        tokens = jnp.where(jnp.arange(n1 + 1)[None, :] == accepted[:, None], final[:, None],
-                           tokens)
-        return Verdict(accepted, best, tokens, accepted + 1)
-
-    verify.__name__ = f"verify_{rule}"
-    return verify
-
-
-WRONG = {"no_renorm": rejection_verifier("no_renorm"),
-         "threshold": rejection_verifier("threshold")}
+# wrong acceptance rules (sampling_checks.wrong_verdict): "no_renorm" accepts candidate c with
+# its original P(c), not its probability under the residual renormalised after earlier
+# rejections; "threshold" accepts c exactly when P(c) > 0.2 (no randomness)
+WRONG = {rule: single_device(wrong_verdict(rule)) for rule in ("no_renorm", "threshold")}
 
 
 # ------------------------------------------------------------------ exactness ---

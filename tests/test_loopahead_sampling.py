@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from lookahead_jax.looped.loopahead import LoopAhead
-from lookahead_jax.looped.spec_sampling import draft_chances, residual_after, verify_drafts
+from lookahead_jax.looped.spec_sampling import draft_chances, verify_drafts
+from sampling_checks import cascade
 from test_loopspec import (ALPHA, SAMPLES, SETTINGS, V, WRONG_P, check,  # noqa: F401
                            exact_probs, sample_many, small_model)
 
@@ -69,32 +70,9 @@ def test_sampling_is_exact(name, use_drafter, scheduling, draw, exact_probs):
         assert stats["drafter_accepted"] > 0.02 * SAMPLES, stats
 
 
-def cascade(inverted: bool, keep_target: bool):
-    """verify_drafts with a planted mistake: inverted, accept with min(1, q(x)/r(x)) instead
-    of min(1, r(x)/q(x)); keep_target, r stays p after a rejection (and the final draw comes
-    from p) instead of normalize(max(r - q, 0))."""
-
-    def verify(u, p, q, x, has, key):
-        b, k_drafts = x.shape
-        rows = jnp.arange(b)
-        res = p
-        which = jnp.full((b,), -1, jnp.int32)
-        for k in range(k_drafts):
-            trial = has[:, k] & (which < 0)
-            r_x = res[rows, x[:, k]] / res.sum(-1)
-            q_x = q[rows, k, x[:, k]]
-            ratio = q_x / jnp.maximum(r_x, 1e-30) if inverted else r_x / q_x
-            accept = trial & (u[:, k] < ratio)
-            which = jnp.where(accept, k, which)
-            if not keep_target:  # the right residual: the library's
-                res = jnp.where((trial & ~accept)[:, None], residual_after(res, q[:, k]), res)
-        drawn = jax.random.categorical(key, jnp.log(res), axis=-1).astype(jnp.int32)
-        return which, jnp.where(which >= 0, x[rows, jnp.maximum(which, 0)], drawn)
-
-    return verify
-
-
-WRONG = {"inverted_ratio": cascade(True, False), "target_residual": cascade(False, True)}
+# sampling_checks.cascade: verify_drafts with a planted mistake (the inverted ratio
+# min(1, q/r); no residual update after a rejection)
+WRONG = {"inverted_ratio": cascade(inverted=True), "target_residual": cascade(keep_target=True)}
 
 
 @pytest.mark.parametrize("rule", list(WRONG))

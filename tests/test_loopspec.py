@@ -25,7 +25,7 @@ from lookahead_jax.sampling import Sampling
 from models.build import build_looped
 from models.config import ConfigError, LoopedConfig
 from models.looped import LoopedLM
-from test_lookahead_sampling import chi_square  # noqa: E402
+from sampling_checks import chi_square  # noqa: E402
 from test_looped import CONFIGS, _perturb_norms  # noqa: E402
 
 

@@ -39,7 +39,7 @@ from test_lookahead import make_model  # noqa: E402  (the structured tiny model)
 
 @pytest.mark.skipif(ON_8_CPU_DEVICES, reason="already running on 8 CPU devices")
 def test_on_8_cpu_devices():
-    rerun_on_8_cpu_devices(__file__, min_passed=10)
+    rerun_on_8_cpu_devices(__file__, min_passed=12)
 
 
 # ------------------------------------------------------------------------------------------
@@ -192,3 +192,72 @@ def test_devices_errors():
                     (dict(devices=too_many), "devices asked for")):
         code, _, err = _cli(**kw)
         assert code == 2 and msg in err and "Traceback" not in err, err
+
+
+# ------------------------------------------- sampling exactness over whole generations ---
+# (test_sampling_generations.py: the family of runs, its threshold and the planted faults)
+from lookahead_jax.lookahead.parallel import ParallelLookahead  # noqa: E402
+from lookahead_jax.lookahead.verify import sampling_verdict  # noqa: E402
+from sampling_checks import (SETTINGS, Fault, at_step, exact_checks,  # noqa: E402
+                             from_step, markov_llama, next_rows_candidate, planted, power,
+                             prompts, report, sampling, threshold, transition, worst,
+                             wrong_verdict)
+
+MARKOV_CFG = LookaheadConfig(W=8, N=4, G=8, prompt_seeding=True)  # a column, a candidate each
+MARKOV_ROWS, MARKOV_NEW = 6000, 10
+
+
+@pytest.fixture(scope="module")
+def markov():
+    model = markov_llama()
+    return model, Engine(model, eos_ids=())
+
+
+def _markov_run(engine, method):
+    res = engine.generate_ids(prompts(MARKOV_ROWS), method=method, max_new_tokens=MARKOV_NEW,
+                              seed=1)
+    hist = np.asarray(res.stats.extra["accepted_hist"])
+    return np.array(res.tokens), float(hist[1:].sum() / hist.sum())
+
+
+@needs8
+@pytest.mark.parametrize("setting", [pytest.param(s, marks=[pytest.mark.slow] if s != "t1" else [])
+                                     for s in SETTINGS])  # top-k, top-p: slow (CI's time)
+def test_sampling_whole_generations_follow_the_exact_distribution(markov, setting):
+    """Lookahead parallelism on 8 devices, sampling 6,000 rows of 10 tokens from the Markov
+    Llama: every position, adjacent pair and neighbouring-row pair follows the exact
+    distribution (the family threshold of test_sampling_generations)."""
+    model, engine = markov
+    s = sampling(setting)
+    tokens, share = _markov_run(engine, ParallelLookahead(s, config=MARKOV_CFG, devices=DEVICES))
+    checks = exact_checks(tokens, transition(model, s))
+    print("\n" + report(f"parallel/{setting}", checks, f"(accepting {share:.2f})"))
+    assert worst(checks).p > threshold(checks), report(f"parallel/{setting}", checks)
+    assert 0.4 < share < 0.97
+
+
+@needs8
+def test_sampling_planted_faults_of_later_steps_are_caught(markov):
+    model, engine = markov
+    s = sampling("t1")
+    faults = {"reused key": Fault(reuse_key=True),
+              "no residual update in step 2": Fault(wrong_verdict("no_residual"), at_step(2)),
+              "next row's candidate committed from step 2": Fault(next_rows_candidate,
+                                                                  from_step(2))}
+    method = ParallelLookahead(s, config=MARKOV_CFG, devices=DEVICES)
+    assert method.verifier is sampling_verdict
+    make = planted(method, faults)
+    real, _ = _markov_run(engine, method)
+    none, _ = _markov_run(engine, make("none"))
+    np.testing.assert_array_equal(none, real)
+    p = transition(model, s)
+    missed = []
+    for fault in faults:
+        tokens, share = _markov_run(engine, make(fault))
+        checks = exact_checks(tokens, p)
+        w, alpha = worst(checks), threshold(checks)
+        print("\n" + report(f"parallel/t1 + {fault}", checks,
+                            f"power {power(w, alpha):.3f} (accepting {share:.2f})"))
+        if w.p >= alpha:
+            missed.append(fault)
+    assert not missed, f"not caught: {missed}"

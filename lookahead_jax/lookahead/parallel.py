@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -104,8 +105,10 @@ def _local_mask(cache: KVCache, pending_count: jax.Array, n1: int, share: jax.Ar
 
 
 def parallel_step(model: nnx.Module, st: ParallelState, *, cfg: LookaheadConfig, devices: int,
-                  sampling: Sampling, eos_ids: tuple[int, ...]) -> ParallelState:
-    """One lookahead step on this device's share; called inside `shard_map` over `AXIS`."""
+                  sampling: Sampling, eos_ids: tuple[int, ...],
+                  verifier: Callable = sampling_verdict) -> ParallelState:
+    """One lookahead step on this device's share; called inside `shard_map` over `AXIS`.
+    `verifier` decides the tokens when sampling (`verify.sampling_verdict`'s signature)."""
     lay = ShardedLayout(cfg.W, cfg.N, cfg.G, devices)
     d = jax.lax.axis_index(AXIS)
 
@@ -164,7 +167,7 @@ def parallel_step(model: nnx.Module, st: ParallelState, *, cfg: LookaheadConfig,
             took = jax.lax.psum(jnp.where(keep, took.astype(jnp.int32), 0), AXIS) > 0
             return took, jax.lax.psum(jnp.where(keep, token, 0), AXIS)
 
-        verdict = sampling_verdict(sub, sampling, logits_at, cands, cand_valid, agree)
+        verdict = verifier(sub, sampling, logits_at, cands, cand_valid, agree)
 
     # commit the re-fed tokens and the current token; re-feed this step's accepted ones next
     k = st.pending_count
@@ -179,11 +182,13 @@ def parallel_step(model: nnx.Module, st: ParallelState, *, cfg: LookaheadConfig,
 @dataclasses.dataclass(frozen=True)
 class ParallelLookahead(Method):
     """Lookahead decoding with lookahead parallelism over `devices` local devices
-    (`--method=lookahead --devices=N`). Dense attention only."""
+    (`--method=lookahead --devices=N`). Dense attention only. verifier: the sampling
+    procedure, `verify.sampling_verdict` or one of its signature (tests plant wrong ones)."""
 
     config: LookaheadConfig = LookaheadConfig()
     devices: int = 2
     mesh: Mesh | None = None  # a (lookahead, model) mesh (`lookahead_jax.mesh`); None: 1-D
+    verifier: Callable = sampling_verdict
 
     name = "lookahead"
 
@@ -209,7 +214,7 @@ class ParallelLookahead(Method):
 
     def step(self, model, params, state: ParallelState, *, eos_ids) -> ParallelState:
         return parallel_step(model, state, cfg=self.config, devices=self.devices,
-                             sampling=self.sampling, eos_ids=eos_ids)
+                             sampling=self.sampling, eos_ids=eos_ids, verifier=self.verifier)
 
     def run(self, graphdef, params, state, max_steps, *, eos_ids):
         """Up to `max_steps` steps on `devices` devices: one shard_map around the base class's
