@@ -303,6 +303,9 @@ def power(c: Check, alpha: float) -> float:
 
 
 def report(run: str, checks: Sequence[Check], extra: str = "") -> str:
+    """One line: the run (a `FAMILY` member, " + fault" for a planted one), its smallest
+    p-value and the threshold."""
+    assert run.split(" + ")[0] in FAMILY, f"{run} is not in the family the threshold counts"
     w = worst(checks)
     return (f"{run}: {len(checks)} checks, smallest p = {w.p:.3g} ({w.name}: chi2 {w.stat:.1f}, "
             f"df {w.df}), threshold {threshold(checks):.2g} {extra}")

@@ -34,10 +34,11 @@ from lookahead_jax.looped.loopspec import LoopSpec
 from lookahead_jax.prompt_lookup import PromptLookup
 from lookahead_jax.sampling import Sampling
 from sampling_checks import (SETTINGS, V, Fault, after_verification, at_step, at_verification,
-                             cascade, exact_checks, from_step, markov_llama, markov_ouro,
-                             next_rows_candidate, next_rows_draft, next_token_logits, planted,
-                             power, prompts, report, sampling, single_device, threshold,
-                             transition, two_sample_checks, worst, wrong_verdict)
+                             cascade, exact_checks, from_step, markov_llama, markov_logits,
+                             markov_ouro, next_rows_candidate, next_rows_draft,
+                             next_token_logits, planted, power, prompts, report, sampling,
+                             single_device, threshold, transition, two_sample_checks, worst,
+                             wrong_verdict)
 
 
 class TableDrafter:
@@ -166,6 +167,9 @@ def test_the_test_models_are_markov(models):
         got = next_token_logits(model, seqs)
         alone = next_token_logits(model, [[s[-1]] for s in seqs])
         np.testing.assert_allclose(got, alone, atol=2e-5, err_msg=name)
+        # (up to the final RMSNorm's epsilon; the checks use the model's own logits)
+        np.testing.assert_allclose(next_token_logits(model, [[a] for a in range(V)]),
+                                   markov_logits(), atol=1e-3, err_msg=name)
         p = transition(model, Sampling(1.0))
         assert (p.max(1) > 0.6).all() and (np.sort(p, 1)[:, -2] > 0.2).all(), name
     context = next_token_logits(markov_llama(attention=CONTEXT), seqs)
@@ -191,7 +195,7 @@ def test_whole_generations_follow_the_exact_distribution(name, setting, engines,
     print("\n" + report(f"{name}/{setting}", checks, f"(accepting {share:.2f})"))
     assert worst(checks).p > threshold(checks), report(f"{name}/{setting}", checks)
     # not vacuous: drafted tokens were accepted at many steps and rejected at others
-    assert spec.min_accepting < share < 0.97, extra
+    assert spec.min_accepting < share < 0.99, extra
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -212,8 +216,9 @@ def test_planted_faults_of_later_steps_are_caught(name, engines, exact):
         tokens, extra = generate(engine, spec, make(fault))
         checks = exact_checks(tokens, p)
         w, alpha = worst(checks), threshold(checks)
+        share = accepting_share(extra)
         print("\n" + report(f"{name}/t1 + {fault}", checks,
-                            f"power {power(w, alpha):.3f} (accepting {accepting_share(extra):.2f})"))
+                            f"power {power(w, alpha):.3f} (accepting {share:.2f})"))
         if w.p >= alpha:
             missed.append(fault)
     assert not missed, f"{name}: not caught: {missed}"
