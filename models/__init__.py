@@ -1,10 +1,12 @@
-"""Model families: Llama (Llama-2/3, CodeLlama, Mistral-style GQA, SmolLM2) and the looped
-models Ouro and Raven (Huginn-0125).
+"""Model families: the Llama-family decoders (Llama 2/3.x, CodeLlama, SmolLM2, Mistral, Qwen 2.5
+and 3, Gemma 2 and 3, Phi-3) and the looped models Ouro and Raven (Huginn-0125).
 
   config.py     plain dataclasses: LlamaConfig, LoopedConfig (no jax: presets import them)
+  families.py   each decoder family's config.json fields and tensor names (no jax)
+  hf_loader.py  Hugging Face safetensors -> Llama (any family); gguf_loader.py, looped_loader.py
   kv_cache.py   KVCache, NewKV
   layers.py     shared layers (RMSNorm, Attention, MLP, RoPE, attention) and `causal_mask`
-  llama.py      Llama
+  llama.py      Llama, the decoder of every family (positions and mask in, new K/V out)
   looped.py     LoopedLM, the base class of the looped families (the loop machinery)
   ouro.py       OuroLM        raven.py   RavenLM
   build.py      build_looped(cfg): the looped family's model

@@ -1,5 +1,6 @@
-"""Model hyperparameters as plain frozen dataclasses: `LlamaConfig` (Llama-2/3, CodeLlama,
-Mistral-style GQA, SmolLM2) and `LoopedConfig` (Ouro, Raven / Huginn-0125).
+"""Model hyperparameters as plain frozen dataclasses: `LlamaConfig` (the decoder families:
+Llama 2/3, CodeLlama, SmolLM2, Mistral, Qwen 2.5/3, Gemma 2/3, Phi-3) and `LoopedConfig` (Ouro,
+Raven / Huginn-0125).
 
 No jax or flax here, so preset files (`configs/`) import only these definitions.
 """
@@ -44,9 +45,43 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+# Decoder families (`LlamaConfig.family`): one model class, `models.llama.Llama`, with the
+# switches below; `models.families` reads each family's Hugging Face config and tensor names.
+DECODER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+LAYER_TYPES = ("full", "sliding")
+ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama, Qwen, Mistral, Phi-3) | GeGLU (Gemma)
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """Static shape of a Llama-family model. Hashable, so it can be a jit static argument."""
+    """Static shape of a Llama-family decoder (Llama 2/3, CodeLlama, SmolLM2, Mistral, Qwen 2.5
+    and 3, Gemma 2 and 3, Phi-3). Hashable, so it can be a jit static argument.
+
+    The family switches (all off for Llama):
+      qkv_bias, o_bias   biases on the q/k/v projections (Qwen 2.5) and on the output one
+      qk_norm            RMSNorm of each query and key head before RoPE (Qwen 3, Gemma 3)
+      norm_offset        every RMSNorm scales by (norm_offset + weight) (Gemma: 1)
+      sandwich_norms     norms after attention and after the MLP too (Gemma 2 and 3)
+      hidden_act         "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+      embed_scale        embeddings multiplied by it (Gemma: sqrt(hidden_size))
+      query_scale        attention score scale (0: head_dim ** -0.5; Gemma:
+                         query_pre_attn_scalar ** -0.5)
+      attn_softcap, final_softcap  tanh soft-capping of attention scores and of the logits
+                         (0: none; Gemma 2: 50 and 30)
+      sliding_window, layer_types  a "sliding" layer's query at position p sees keys at
+                         positions > p - sliding_window; layer_types names each layer "full" or
+                         "sliding" (empty: every layer sliding when sliding_window > 0, else
+                         full; `layer_kinds` is the list either way)
+      local_rope_theta   RoPE base of the sliding layers, which then ignore rope_scaling
+                         (Gemma 3: 10000); 0: every layer has the same RoPE
+    """
+
+    # Fields that fix a checkpoint's tensors or their meaning: a checkpoint loaded under a preset
+    # must agree with it on all of them (`lookahead_jax.store.checkpoint.check_model_matches`).
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+        "num_kv_heads", "head_dim", "rope_theta", "tie_word_embeddings", "qkv_bias", "o_bias",
+        "qk_norm", "sandwich_norms", "hidden_act", "sliding_window", "layer_kinds")
 
     vocab_size: int
     hidden_size: int
@@ -62,6 +97,20 @@ class LlamaConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
+    family: str = "llama"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"
+    embed_scale: float = 1.0
+    query_scale: float = 0.0
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float = 0.0
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -73,53 +122,39 @@ class LlamaConfig:
         check_heads(self.num_heads, self.num_kv_heads, self.head_dim)
         if self.rope_scaling is not None and self.rope_scaling.rope_type not in ("llama3", "linear"):
             raise ConfigError(f"model config: unsupported rope_scaling type {self.rope_scaling.rope_type!r}")
+        if self.family not in DECODER_FAMILIES:
+            raise ConfigError(f"model config: family must be one of {DECODER_FAMILIES}, got "
+                              f"{self.family!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"model config: hidden_act must be one of {ACTIVATIONS}, got "
+                              f"{self.hidden_act!r}")
+        for name in ("sliding_window", "query_scale", "attn_softcap", "final_softcap",
+                     "local_rope_theta", "norm_offset"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model config: {name} must be >= 0, got {getattr(self, name)}")
+        if self.embed_scale <= 0:
+            raise ConfigError(f"model config: embed_scale must be positive, got {self.embed_scale}")
+        types = tuple(self.layer_types)
+        object.__setattr__(self, "layer_types", types)
+        if types and (len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types)):
+            raise ConfigError(f"model config: layer_types must name each of the {self.num_layers} "
+                              f"layers one of {LAYER_TYPES}, got {self.layer_types!r}")
+        if "sliding" in self.layer_kinds and not self.sliding_window:
+            raise ConfigError("model config: sliding layers need sliding_window > 0")
+        object.__setattr__(self, "eos_token_ids", tuple(int(e) for e in self.eos_token_ids))
 
-    @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> "LlamaConfig":
-        """Builds a config from a Hugging Face `config.json` dict (LlamaConfig / MistralConfig)."""
-        arch = hf.get("model_type", "llama")
-        if arch not in ("llama", "mistral"):
-            raise ConfigError(f"config.json: model_type {arch!r} is not a Llama-family model")
-        try:
-            scaling = hf.get("rope_scaling") or None
-            if hf.get("rope_parameters"):  # transformers >= 5 stores theta and scaling together
-                params = dict(hf["rope_parameters"])
-                hf = {**hf, "rope_theta": params.get("rope_theta", hf.get("rope_theta", 10000.0))}
-                if params.get("rope_type", "default") != "default":
-                    scaling = params
-            rope = None
-            if scaling:
-                rtype = scaling.get("rope_type", scaling.get("type"))
-                if rtype == "llama3":
-                    rope = RopeScaling(
-                        "llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                        float(scaling["high_freq_factor"]),
-                        int(scaling["original_max_position_embeddings"]))
-                elif rtype == "linear":
-                    rope = RopeScaling("linear", float(scaling["factor"]))
-                else:
-                    raise ConfigError(f"config.json: unsupported rope scaling {rtype!r}")
-            return cls(
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=int(hf["hidden_size"]),
-                intermediate_size=int(hf["intermediate_size"]),
-                num_layers=int(hf["num_hidden_layers"]),
-                num_heads=int(hf["num_attention_heads"]),
-                num_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
-                head_dim=int(hf.get("head_dim") or 0),
-                rope_theta=float(hf.get("rope_theta", 10000.0)),
-                rope_scaling=rope,
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                # Mistral's sliding-window attention equals full attention while the sequence
-                # fits in the window; we implement full attention, so cap positions there.
-                max_position_embeddings=min(int(hf.get("max_position_embeddings", 4096)),
-                                            int(hf.get("sliding_window") or 1 << 30)),
-                bos_token_id=hf.get("bos_token_id"),
-                eos_token_ids=hf_eos_ids(hf, default=2),
-            )
-        except KeyError as e:
-            raise ConfigError(f"config.json: missing field {e.args[0]!r}") from None
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's type, "full" or "sliding": `layer_types`, or when that is empty every
+        layer sliding if sliding_window > 0, else full."""
+        if self.layer_types:
+            return self.layer_types
+        return ("sliding" if self.sliding_window else "full",) * self.num_layers
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        """Indices of the sliding-window layers."""
+        return tuple(i for i, t in enumerate(self.layer_kinds) if t == "sliding")
 
 
 FAMILIES = ("ouro", "raven")  # looped-model families

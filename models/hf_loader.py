@@ -1,15 +1,18 @@
-"""Loads a Hugging Face Llama-family checkpoint (`config.json` + safetensors) into `Llama`.
+"""Loads a Hugging Face decoder checkpoint (`config.json` + safetensors) of any family in
+`models.families` (Llama, Mistral, Qwen 2.5/3, Gemma 2/3, Phi-3) into `Llama`.
 
 The model is built shape-only (`nnx.eval_shape`), then every parameter is read from the
 safetensors file(s) one tensor at a time, converted to the target dtype, placed on the
-device, and the host copy dropped. One table (`_hf_table`) maps each Hugging Face tensor
-name to our parameter path and says whether it is transposed (HF `nn.Linear.weight` is
-[out, in]; our `nnx.Linear.kernel` is [in, out]). The reading itself (`load_safetensors_into`,
+device, and the host copy dropped. One table per family (`models.families.tensor_table`) maps
+each Hugging Face tensor name to our parameter path(s), says whether it is transposed (HF
+`nn.Linear.weight` is [out, in]; our `nnx.Linear.kernel` is [in, out]) and, for a fused tensor
+(Phi-3's qkv_proj), which rows go where. The reading itself (`load_safetensors_into`,
 `config_from_json`) is shared with the looped models' loader (`models/looped_loader.py`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -25,6 +28,8 @@ from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 
 from models.config import ConfigError, LlamaConfig
+from models.families import (MULTIMODAL_PARTS, Target, config_from_hf, decoder_prefix,
+                             tensor_table)
 from models.llama import Llama
 from models.sharding import param_sharding
 
@@ -42,26 +47,6 @@ _RAW_DTYPES = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
 
 class CheckpointError(ConfigError):
     """A checkpoint directory, file or tensor that cannot be loaded; the message says which."""
-
-
-def _hf_table(cfg: LlamaConfig) -> dict[str, tuple[tuple[Any, ...], bool]]:
-    """HF tensor name -> (path in our nnx state, transpose?). lm_head only when untied."""
-    table: dict[str, tuple[tuple[Any, ...], bool]] = {
-        "model.embed_tokens.weight": (("embed_tokens", "embedding"), False),
-        "model.norm.weight": (("norm", "weight"), False),
-    }
-    if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = (("lm_head", "kernel"), True)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        table[p + "input_layernorm.weight"] = (("layers", i, "input_layernorm", "weight"), False)
-        table[p + "post_attention_layernorm.weight"] = (
-            ("layers", i, "post_attention_layernorm", "weight"), False)
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            table[p + f"self_attn.{proj}.weight"] = (("layers", i, "self_attn", proj, "kernel"), True)
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            table[p + f"mlp.{proj}.weight"] = (("layers", i, "mlp", proj, "kernel"), True)
-    return table
 
 
 def read_hf_config_json(path: str | os.PathLike) -> dict[str, Any]:
@@ -97,12 +82,13 @@ def config_from_json(path: str | os.PathLike, from_hf: Callable[[dict], Any]) ->
 
 
 def load_hf_config(path: str | os.PathLike) -> LlamaConfig:
-    """Reads `<path>/config.json` (a Hugging Face Llama/Mistral config) into a `LlamaConfig`.
+    """Reads `<path>/config.json` (a Hugging Face config of a `models.families` family) into a
+    `LlamaConfig`.
 
     Raises CheckpointError if the directory or file is missing, unreadable, not valid JSON,
     or not a usable Llama-family config.
     """
-    return config_from_json(path, LlamaConfig.from_hf)
+    return config_from_json(path, config_from_hf)
 
 
 def _shard_files(path: str) -> dict[str, list[str] | None]:
@@ -142,6 +128,39 @@ def _read_raw(file: str, name: str, header: dict[str, Any]) -> np.ndarray:
                      shape=tuple(meta["shape"]))
 
 
+def _targets(entry) -> tuple[Target, ...]:
+    """A table entry -> its Targets ((path, transpose) is one whole-tensor Target)."""
+    if entry and isinstance(entry[0], Target):
+        return tuple(entry)
+    path, transpose = entry
+    return (Target(tuple(path), bool(transpose)),)
+
+
+def _hf_shape(targets: tuple[Target, ...], variables) -> tuple[int, ...]:
+    """The Hugging Face tensor's shape that `targets` expect: a parameter's shape ([out, in]
+    if transposed), with the rows of a fused tensor's parts added up."""
+    shapes = []
+    for t in targets:
+        want = tuple(variables[t.path].get_value().shape)
+        shapes.append(want[::-1] if t.transpose else want)
+    if targets[0].rows is None:
+        return shapes[0]
+    return (targets[-1].rows[1], *shapes[0][1:])
+
+
+def _read_part(source, t: Target, want: tuple[int, ...], target: np.dtype, index=()) -> np.ndarray:
+    """The part `index` (slices of our parameter, shape `want`) of Target t, read from
+    `source` (a safetensors slice or a memory map of the Hugging Face tensor) as `target`."""
+    index = tuple(index) + (slice(None),) * (len(want) - len(index))
+    hf = list(index[::-1] if t.transpose else index)  # HF stores [out, in]
+    if t.rows is not None:  # a fused tensor: this part is rows [start, stop) of it
+        start, stop = t.rows
+        first = hf[0].indices(stop - start)
+        hf[0] = slice(start + first[0], start + first[1])
+    part = np.asarray(source[tuple(hf)]).astype(target, copy=False)
+    return np.ascontiguousarray(part.T if t.transpose else part)
+
+
 def _read_header(file: str) -> dict[str, Any]:
     with open(file, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -150,9 +169,27 @@ def _read_header(file: str) -> dict[str, Any]:
     return header
 
 
+def tensor_names(path: str | os.PathLike) -> list[str]:
+    """The tensor names of a checkpoint directory's safetensors file(s) (headers only)."""
+    names: list[str] = []
+    for file, wanted in _shard_files(os.fspath(path)).items():
+        if wanted is not None:
+            names += wanted
+            continue
+        try:
+            names += [n for n in _read_header(file) if n not in ("__metadata__", "__header_len__")]
+        except (OSError, ValueError, struct.error) as e:
+            raise CheckpointError(f"{file}: cannot read safetensors ({type(e).__name__}: {e})"
+                                  ) from None
+    return names
+
+
 def load_hf_llama(path: str | os.PathLike, dtype=jnp.float32,
                   config: LlamaConfig | None = None, mesh: Mesh | None = None) -> Llama:
-    """Loads a Hugging Face `LlamaForCausalLM` safetensors checkpoint into a `Llama`.
+    """Loads a Hugging Face safetensors checkpoint of any `models.families` family
+    (`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
+    `Gemma2ForCausalLM`, `Gemma3ForCausalLM` or the text model of
+    `Gemma3ForConditionalGeneration`, `Phi3ForCausalLM`) into a `Llama`.
 
     path: directory with `config.json` and `model.safetensors` or a sharded
     `model.safetensors.index.json`. dtype: parameter dtype of the returned model (each tensor
@@ -172,21 +209,31 @@ def load_hf_llama(path: str | os.PathLike, dtype=jnp.float32,
     path = os.fspath(path)
     cfg = config if config is not None else load_hf_config(path)
     tied = cfg.tie_word_embeddings
+    prefix = decoder_prefix(tensor_names(path)) if cfg.family == "gemma3" else "model."
+    multimodal = prefix != "model."
+
+    def skip(name: str) -> bool:
+        if _IGNORED.search(name) or (tied and name.endswith("lm_head.weight")):
+            return True
+        rest = name.removeprefix("model.")
+        return multimodal and rest.startswith(MULTIMODAL_PARTS)
+
     return load_safetensors_into(
-        path, lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)), _hf_table(cfg), dtype,
-        skip=lambda name: bool(_IGNORED.search(name)) or (name == "lm_head.weight" and tied),
-        kind="Llama model", mesh=mesh,
+        path, lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)), tensor_table(cfg, prefix), dtype,
+        skip=skip, kind=f"{cfg.family} model", mesh=mesh,
         missing_hint=lambda missing: (" (config has tie_word_embeddings=false)"
                                       if "lm_head.weight" in missing else ""))
 
 
 def load_safetensors_into(path: str | os.PathLike, build: Callable[[], nnx.Module],
-                          table: Mapping[str, tuple[tuple[Any, ...], bool]], dtype, *,
+                          table: Mapping[str, tuple[Target, ...] | tuple[tuple[Any, ...], bool]],
+                          dtype, *,
                           skip: Callable[[str], bool], kind: str,
                           missing_hint: Callable[[list[str]], str] = lambda missing: "",
                           mesh: Mesh | None = None) -> nnx.Module:
     """Builds `build()` shape-only and fills every parameter from the safetensors file(s) of
-    `path`, through `table` (HF tensor name -> (path in the nnx state, transpose?)).
+    `path`, through `table` (HF tensor name -> its `Target`s: the parameter(s) it fills, or
+    (path in the nnx state, transpose?) for a tensor that is one parameter).
 
     Tensors are read lazily one at a time and cast to `dtype`; every shape is checked. Names
     for which `skip(name)` holds are ignored. Raises CheckpointError naming the file or tensor
@@ -220,34 +267,28 @@ def load_safetensors_into(path: str | os.PathLike, build: Callable[[], nnx.Modul
                         if not skip(name):
                             unknown.append(name)
                         continue
-                    key, transpose = table[name]
-                    var = variables[key]
-                    want = tuple(var.get_value().shape)
-                    want_hf = want[::-1] if transpose else want
                     sl = f.get_slice(name)
                     got = tuple(sl.get_shape())
-                    if got != want_hf:
-                        raise CheckpointError(
-                            f"{file}: tensor {name!r} has shape {got}, expected {want_hf} for "
-                            f"this config")
                     if sl.get_dtype() in _RAW_DTYPES:
                         header = header or _read_header(file)
                         source = _read_raw(file, name, header)  # a memory map: read lazily
                     else:
                         source = sl
-
-                    def read(index=(), source=source, transpose=transpose):
-                        # index: the part of our [in, out] kernel wanted; HF stores [out, in]
-                        index = tuple(index) + (slice(None),) * (len(want) - len(index))
-                        part = np.asarray(source[index[::-1] if transpose else index])
-                        part = part.astype(target, copy=False)
-                        return np.ascontiguousarray(part.T if transpose else part)
-
-                    if mesh is None:
-                        var.set_value(jax.device_put(read()))
-                    else:  # each process reads only the parts its own devices hold
-                        var.set_value(jax.make_array_from_callback(
-                            want, param_sharding(key, want, mesh, abstract.config), read))
+                    targets = _targets(table[name])
+                    want_hf = _hf_shape(targets, variables)
+                    if got != want_hf:
+                        raise CheckpointError(
+                            f"{file}: tensor {name!r} has shape {got}, expected {want_hf} for "
+                            f"this config")
+                    for t in targets:
+                        var = variables[t.path]
+                        want = tuple(var.get_value().shape)
+                        read = functools.partial(_read_part, source, t, want, target)
+                        if mesh is None:
+                            var.set_value(jax.device_put(read()))
+                        else:  # each process reads only the parts its own devices hold
+                            var.set_value(jax.make_array_from_callback(
+                                want, param_sharding(t.path, want, mesh, abstract.config), read))
                     loaded.add(name)
         except CheckpointError:
             raise

@@ -13,7 +13,9 @@ o and down row-parallel: one all-reduce after each of them per layer), KV heads 
 where their count divides the model axis and replicated where it does not (GQA with fewer KV
 heads than devices), and the embedding and the LM head are split over the vocabulary.
 A dimension that the mesh axis does not divide is replicated instead (`spec_for` says which).
-Norm weights, biases, gates and anything unnamed are replicated: they are a vector per layer.
+Norm weights (Gemma's extra norms, Qwen 3's per-head q/k norms), the output projection's bias,
+gates and anything unnamed are replicated: they are a vector per layer. The q/k/v biases are
+split with their projection's heads.
 
 The rules are layout hints, never semantics: a program over sharded arrays computes the same
 function under `jax.jit` whatever the shardings (XLA's partitioner inserts the collectives),
@@ -47,6 +49,10 @@ PARAM_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("down_proj", "kernel"): ("mlp", "embed"),
     ("embed_tokens", "embedding"): ("vocab", "embed"),
     ("lm_head", "kernel"): ("embed", "vocab"),
+    # Qwen 2.5's q/k/v biases: split with their projection's output heads
+    ("q_proj", "bias"): ("heads",),
+    ("k_proj", "bias"): ("kv_heads",),
+    ("v_proj", "bias"): ("kv_heads",),
     # Raven (Huginn's names): fused q|k|v, the sandwich block's MLP and projections
     ("Wqkv", "kernel"): ("embed", "qkv"),
     ("fc", "kernel"): ("embed", "mlp"),

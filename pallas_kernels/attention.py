@@ -8,9 +8,11 @@
           that platform, to lower or export for it from this host.
   auto    the kernel where the platform has one (GPU, TPU), dense otherwise.
 
-An attention function has the model's signature `fn(q, k, v, mask, cache_k, cache_v)`. Only
-the lookahead step passes a `StepMask`; the kernel falls back to the dense path for any other
-mask (prefill, plain decoding), so one function serves every model call.
+An attention function has the model's signature `fn(q, k, v, mask, cache_k, cache_v, **rules)`
+(rules: a family's own scale, soft-cap or sliding window, `models.layers.dot_product_attention`).
+Only the lookahead step passes a `StepMask`; the kernel falls back to the dense path for any
+other mask (prefill, plain decoding), and for layers whose rules it declines (soft-capped and
+sliding-window ones), so one function serves every model call.
 """
 
 from __future__ import annotations

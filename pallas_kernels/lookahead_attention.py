@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -286,7 +287,7 @@ def lookahead_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: StepMask
                         cache_k: jax.Array, cache_v: jax.Array, *,
                         backend: str = "triton", interpret=False,
                         block_q: int | None = None, block_k: int | None = None,
-                        platform: str | None = None) -> jax.Array:
+                        platform: str | None = None, scale: float | None = None) -> jax.Array:
     """Attention of one lookahead step, computing only tiles with a visible key.
 
     q [B,T,H,D]; k/v [B,T,Hkv,D] the step's K/V; cache_k/v [B,Hkv,S,D] one cache layer
@@ -299,7 +300,8 @@ def lookahead_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: StepMask
     platform: the jax platform the compiled kernel is for (default: jax's default backend);
     another one ('cuda', 'tpu') only to lower for it, e.g. `jax.export(..., platforms=[...])`
     on a host without it. Compiled, a kernel off its platform raises `KernelUnavailable`;
-    interpreted, the platform is not used.
+    interpreted, the platform is not used. scale: the score scale (default D ** -0.5; Gemma's
+    query_pre_attn_scalar ** -0.5).
     """
     if not isinstance(mask, StepMask):
         raise TypeError(f"lookahead_attention needs a StepMask, got {type(mask).__name__}")
@@ -324,7 +326,7 @@ def lookahead_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: StepMask
     if not interpret:
         _check_blocks(backend, bq, bk, d)
     bmap = BlockMap.of(mask.layout, group, bq, bk)
-    scale = 1.0 / math.sqrt(d)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
 
     # rows: token-major, the group's heads adjacent: [B, Hkv, T*group, D], padded
@@ -347,10 +349,15 @@ def lookahead_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: StepMask
 
 @dataclasses.dataclass(frozen=True)
 class PallasAttention:
-    """An attention function fn(q, k, v, mask, cache_k, cache_v) for the model: the kernel for a
-    lookahead step's
-    `StepMask`, the dense reference for any other mask (prefill, plain decoding). Hashable, so
-    a decoding method holding it stays a valid static argument of `jax.jit`.
+    """An attention function fn(q, k, v, mask, cache_k, cache_v, **rules) for the model: the
+    kernel for a lookahead step's `StepMask`, the dense reference for any other mask (prefill,
+    plain decoding). Hashable, so a decoding method holding it stays a valid static argument of
+    `jax.jit`.
+
+    A layer's rules (`models.layers.dot_product_attention`): the kernel takes a score scale
+    (Gemma's); it declines soft-capped scores (Gemma 2) and sliding-window layers (Mistral,
+    Gemma's local layers, Phi-3): those layers run the dense reference over the expanded mask,
+    the others the kernel (`declines(rules)` says which; a warning names them when traced).
 
     platform: the jax platform the compiled kernel is for; None: jax's default backend, checked
     when the kernel is traced. A platform given (e.g. 'cuda' or 'tpu', to `jax.export` a
@@ -368,9 +375,25 @@ class PallasAttention:
         if self.platform is not None and not self.interpret:
             check_platform(self.backend, self.platform)
 
-    def __call__(self, q, k, v, mask, cache_k=None, cache_v=None):
+    @staticmethod
+    def declines(rules) -> tuple[str, ...]:
+        """The rules of a layer that the kernel does not implement (that layer runs dense)."""
+        return tuple(r for r in ("softcap", "window") if rules.get(r))
+
+    def __call__(self, q, k, v, mask, cache_k=None, cache_v=None, **rules):
         if isinstance(mask, StepMask):
-            return lookahead_attention(q, k, v, mask, cache_k, cache_v, backend=self.backend,
-                                       interpret=self.interpret, block_q=self.block_q,
-                                       block_k=self.block_k, platform=self.platform)
-        return dot_product_attention(q, k, v, mask, cache_k, cache_v)
+            declined = self.declines(rules)
+            if not declined:
+                return lookahead_attention(q, k, v, mask, cache_k, cache_v, backend=self.backend,
+                                           interpret=self.interpret, block_q=self.block_q,
+                                           block_k=self.block_k, platform=self.platform,
+                                           scale=rules.get("scale"))
+            warnings.warn(f"the Pallas lookahead attention kernel declines layers with "
+                          f"{' and '.join(declined)}: they run the dense attention",
+                          KernelDeclined, stacklevel=2)
+            return dot_product_attention(q, k, v, mask.dense(), cache_k, cache_v, **rules)
+        return dot_product_attention(q, k, v, mask, cache_k, cache_v, **rules)
+
+
+class KernelDeclined(UserWarning):
+    """A layer the Pallas kernel does not implement ran the dense attention instead."""

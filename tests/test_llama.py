@@ -8,6 +8,7 @@ from flax import nnx
 
 from lookahead_jax.generation import Output, prefill
 from models import KVCache, Llama, LlamaConfig, NewKV, causal_mask
+from models.families import config_from_hf
 
 CFG = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=2,
                   num_heads=6, num_kv_heads=2, rope_theta=10000.0)
@@ -89,9 +90,12 @@ def test_output_stops_at_any_eos_id_and_at_max_new_tokens():
     assert out.tokens[2].tolist() == [4, 5, 4, 5, 6] and out.done.tolist() == [True] * 3
 
 
-def test_mistral_sliding_window_caps_positions():
-    cfg = LlamaConfig.from_hf(dict(model_type="mistral", vocab_size=10, hidden_size=8,
+def test_mistral_sliding_window_is_read_not_capped():
+    """The window is implemented (`models.layers.in_window`), so positions keep their range."""
+    cfg = config_from_hf(dict(model_type="mistral", vocab_size=10, hidden_size=8,
                                    intermediate_size=16, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1,
                                    max_position_embeddings=32768, sliding_window=4096))
-    assert cfg.max_position_embeddings == 4096
+    assert cfg.max_position_embeddings == 32768
+    assert cfg.family == "mistral" and cfg.sliding_window == 4096
+    assert cfg.layer_kinds == ("sliding",)

@@ -58,8 +58,10 @@ def as_dense(mask) -> jax.Array:
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask,
-                    cache_k: jax.Array | None = None, cache_v: jax.Array | None = None
-                    ) -> jax.Array:
+                    cache_k: jax.Array | None = None, cache_v: jax.Array | None = None,
+                    **rules) -> jax.Array:
     """The dense reference for any mask: q [B,T,H,D], k/v [B,T,Hkv,D] (the new tokens),
-    cache_k/v [B,Hkv,S,D] or None, mask a `StepMask` or [B,T,S+T] bool -> [B,T,H,D]."""
-    return dot_product_attention(q, k, v, as_dense(mask), cache_k, cache_v)
+    cache_k/v [B,Hkv,S,D] or None, mask a `StepMask` or [B,T,S+T] bool -> [B,T,H,D].
+    rules: the layer's own (scale, softcap, window and positions), applied on top of the mask
+    (`models.layers.dot_product_attention`)."""
+    return dot_product_attention(q, k, v, as_dense(mask), cache_k, cache_v, **rules)

@@ -253,12 +253,33 @@ def choose_settings(engine, *, prompt_len: int = 64, max_new_tokens: int = 128,
     at cache length prompt_len + max_new_tokens // 2 (the middle of a generation). The chosen
     config keeps `base`'s other fields (pool, prompt seeding; default: engine.lookahead, else
     LookaheadConfig's defaults)."""
+    def measure(points, cache_len):
+        return measure_step_cost(engine.graphdef, engine.params, points, cache_len=cache_len,
+                                 repeats=repeats)
+
+    return choose_for_model(
+        engine.config, prompt_len=prompt_len, max_new_tokens=max_new_tokens, fit=fit, grid=grid,
+        base=base or getattr(engine, "lookahead", None), step_costs=step_costs, device=device,
+        min_speedup=min_speedup, devices=getattr(engine, "devices", 1) or 1,
+        kernel=getattr(engine, "attention", "dense") != "dense", measure=measure)
+
+
+def choose_for_model(model_config, *, prompt_len: int = 64, max_new_tokens: int = 128,
+                     fit: ScalingFit | str | None = None,
+                     grid: Sequence[tuple[int, int, int]] | None = None,
+                     base: LookaheadConfig | None = None,
+                     step_costs: Mapping[int, float] | None = None, device=None,
+                     min_speedup: float = MIN_SPEEDUP, devices: int = 1, kernel: bool = True,
+                     measure=None) -> AutoChoice:
+    """`choose_settings` for a model config without an engine: the curve is `step_costs`, or
+    predicted for `device` (kernel: the Pallas kernel's attention traffic, else dense), or
+    `measure(token counts, cache_len)` -> {tokens: seconds}. What the presets' lookahead
+    settings are chosen with (`benchmarks/family_presets.py`)."""
     fit = resolve_fit(fit)
     grid = list(grid) if grid is not None else candidate_grid()
     if not grid:
         raise ConfigError("auto: the candidate grid is empty")
-    devices = getattr(engine, "devices", 1) or 1
-    limit = engine.config.max_position_embeddings
+    limit = model_config.max_position_embeddings
     fitting = [c for c in grid if tokens_per_step(*c) <= limit]
     if not fitting:
         raise ConfigError(f"auto: no candidate's step fits the model's {limit} positions")
@@ -267,20 +288,20 @@ def choose_settings(engine, *, prompt_len: int = 64, max_new_tokens: int = 128,
     if step_costs is not None:
         source = "given"
     elif device is not None:
-        kernel = getattr(engine, "attention", "dense") != "dense"
-        step_costs = predicted_step_costs(engine.config, points, cache_len=cache_len,
+        step_costs = predicted_step_costs(model_config, points, cache_len=cache_len,
                                           device=device, kernel=kernel)
         name = device if isinstance(device, str) else device.name
         source = (f"predicted for {name} by the roofline model ("
                   f"{'the Pallas kernel' if kernel else 'dense attention'})")
-    else:
-        step_costs = measure_step_cost(engine.graphdef, engine.params, points,
-                                       cache_len=cache_len, repeats=repeats)
+    elif measure is not None:
+        step_costs = measure(points, cache_len)
         source = (f"measured on this {jax.default_backend()} device "
                   f"({jax.devices()[0].device_kind})")
+    else:
+        raise ConfigError("auto: no step-cost curve: give step_costs, a device or measure")
     ranked = rank(fit, step_costs, fitting, devices=devices)
     method, pl = choose_method(ranked, step_costs, min_speedup=min_speedup)
-    base = base or getattr(engine, "lookahead", None) or LookaheadConfig()
+    base = base or LookaheadConfig()
     b = ranked[0]
     pool_slots = base.pool_slots if base.pool_slots == 0 or base.pool_slots >= b.G else 0
     config = dataclasses.replace(base, W=b.W, N=b.N, G=b.G, pool_slots=pool_slots)

@@ -261,12 +261,14 @@ def forward_cost(model_config: LlamaConfig | LoopedConfig, *, tokens: int, cache
         backend=jax.default_backend(), **per_device)
 
 
-def fused_attention_traffic(q, k, v, mask, cache_k=None, cache_v=None):
+def fused_attention_traffic(q, k, v, mask, cache_k=None, cache_v=None, **rules):
     """A stand-in for a fused attention kernel in a cost analysis, never for decoding: it reads
     q, the step's K/V, the cache layer and the mask once and writes an output of q's shape,
     which is the memory traffic of a flash-style kernel (the Pallas kernel's scores and
     probabilities live in registers and on-chip memory). XLA cannot see inside a Pallas call,
-    so a program with the real kernel has no readable cost; this one has the kernel's bytes."""
+    so a program with the real kernel has no readable cost; this one has the kernel's bytes.
+    A layer's rules (a sliding window, soft-capping: `models.layers.dot_product_attention`) are
+    a few element-wise operations on scores a fused kernel never writes out: no traffic."""
     total = k.astype(jnp.float32).sum() + v.astype(jnp.float32).sum()
     total = total + jnp.where(as_dense(mask), 1.0, 0.0).sum()
     if cache_k is not None:
