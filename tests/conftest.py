@@ -31,23 +31,6 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
-# The files that take longest (seconds of one file on 2 cores, `pytest --durations`), first.
-# `pytest -n 2 --dist loadfile` (the README's command) runs each file whole on one of two
-# processes, handing out files in collection order; starting the long ones first keeps one
-# process from running a long file alone at the end (longest first).
-LONG_FILES = ("test_mesh.py", "test_sampling_generations.py", "test_parallel.py",
-              "test_loopahead.py", "test_mesh_memory.py", "test_multihost.py",
-              "test_families.py", "test_loopspec.py", "test_serve.py", "test_golden_ids.py",
-              "test_loopahead_sampling.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Long files first (`LONG_FILES`); the others, and the tests within a file, keep their
-    order."""
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
-
-
 @pytest.fixture(autouse=True, scope="session")
 def _full_float32_matmuls():
     if jax.default_backend() == "cpu":

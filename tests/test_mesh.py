@@ -14,6 +14,8 @@ Pinned there, for meshes (lookahead, model) = (1,8), (2,4), (4,2), (8,1):
     lookahead's int32 all-gather over the lookahead axis, no float collective over it, and no
     copy of the KV cache across devices;
   * a Hugging Face checkpoint read straight into sharded parameters, equal to the whole load;
+  * the model families' switches (Qwen's biases and q/k norms, Gemma's norms, soft-caps and
+    windows) sharded on (2,4), equal to one device;
   * the CLI's --mesh and its errors.
 """
 
@@ -47,7 +49,7 @@ from test_looped import CONFIGS, _perturb_norms  # noqa: E402
 
 @pytest.mark.skipif(ON_8_CPU_DEVICES, reason="already running on 8 CPU devices")
 def test_on_8_cpu_devices():
-    rerun_on_8_cpu_devices(__file__, min_passed=16)
+    rerun_on_8_cpu_devices(__file__, min_passed=18)
 
 
 # ------------------------------------------------------------------------------- no devices ---
@@ -208,6 +210,42 @@ def test_collectives(mesh, method):
         assert not over_lookahead
     # nothing of the KV cache's size moves: one layer's cache is [2, 8, S >= 128, 8] floats
     assert max(c.elements for c in found) < 2 * 8 * 128 * 8 // mesh[1]
+
+
+# ------------------------------------------------------------------------- model families ---
+# The families' switches (#23) on a mesh: biases split with their heads, q/k norms and the extra
+# norms replicated, sliding windows and soft-caps applied per shard (`models.sharding`)
+FAMILY_SHAPES = {
+    "qwen": dict(hidden_size=64, num_heads=8, num_kv_heads=4, qkv_bias=True, o_bias=True,
+                 qk_norm=True, sliding_window=6, layer_types=("sliding", "full")),
+    "gemma": dict(hidden_size=64, num_heads=8, num_kv_heads=4, head_dim=16, qk_norm=True,
+                  norm_offset=1.0, sandwich_norms=True, hidden_act="gelu_tanh", embed_scale=8.0,
+                  query_scale=0.2, attn_softcap=20.0, final_softcap=30.0, sliding_window=6,
+                  layer_types=("sliding", "full"), local_rope_theta=500.0),
+}
+
+
+def family_model(fam: str):
+    """The structured tiny model with a family's switches, its biases and norms random."""
+    model = make_model(**FAMILY_SHAPES[fam])
+    rng = np.random.default_rng(1)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if path[-1] == "bias" or (str(path[-2]).endswith("norm") and path[-1] == "weight"):
+            shape = var.get_value().shape
+            var.set_value(var.get_value() + 0.3 * rng.normal(size=shape).astype(np.float32))
+    return model
+
+
+@needs8
+@pytest.mark.parametrize("fam", list(FAMILY_SHAPES))
+def test_family_switches_sharded_equal_one_device(fam):
+    runs = (dict(method="ar"), dict(method="lookahead"))
+    one = Engine(family_model(fam), eos_ids=(), lookahead=LOOK)
+    want = [one.generate_ids(PROMPTS, max_new_tokens=NEW, **g).tokens for g in runs]
+    mesh = Engine(family_model(fam), eos_ids=(), lookahead=LOOK, mesh="lookahead:2,model:4")
+    got = [mesh.generate_ids(PROMPTS, max_new_tokens=NEW, **g).tokens for g in runs]
+    assert got == want
+    assert want[1] == want[0]  # lookahead lossless with the family's rules
 
 
 # ---------------------------------------------------------------------------- checkpoints ---

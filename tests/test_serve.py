@@ -285,7 +285,9 @@ def test_a_burst_beyond_the_queue_gets_429_while_accepted_requests_complete(engi
         burst.stop()
     statuses = sorted(status for status, _, _ in results)
     assert health == 200
-    assert statuses.count(429) >= 1 and statuses.count(200) >= 3, statuses
+    # accepted: at least the queue's 2 (the one slot may take a third before the burst ends,
+    # or not yet, on a loaded machine); the rest are refused
+    assert statuses.count(429) >= 1 and statuses.count(200) >= 2, statuses
     assert set(statuses) == {200, 429}
     for status, resp, headers in results:
         if status == 429:
