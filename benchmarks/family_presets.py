@@ -28,6 +28,8 @@ import time
 from benchmarks import common
 from lookahead_jax.store.presets import load_preset
 from lookahead_jax.tuning.auto import choose_for_model
+from models.llama import layer_rules
+from pallas_kernels.lookahead_attention import PallasAttention
 
 PRESETS = ("llama3_8b", "llama3_70b", "qwen2p5_7b", "qwen3_8b", "gemma2_9b", "gemma3_12b",
            "mistral_7b", "phi3_mini")
@@ -37,8 +39,9 @@ PROMPT_LEN, MAX_NEW = 64, 128  # the curve at cache length 128, the middle of su
 
 def kernel_runs_every_layer(cfg) -> bool:
     """Whether the Pallas kernel runs all of the model's layers (it declines soft-capped and
-    sliding-window ones: `pallas_kernels.lookahead_attention.PallasAttention.declines`)."""
-    return not cfg.attn_softcap and not cfg.sliding_layers
+    sliding-window ones)."""
+    return not any(PallasAttention.declines(layer_rules(cfg, i, None))
+                   for i in range(cfg.num_layers))
 
 
 def choose(name: str, device: str) -> dict:

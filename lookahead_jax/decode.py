@@ -425,8 +425,10 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
 
 def enable_compile_cache() -> None:
     """Keeps compiled programs on disk (`<model cache>/xla`), so a second run of the same
-    preset and settings skips XLA compilation. LOOKAHEAD_JAX_NO_COMPILE_CACHE=1 turns it off."""
-    if os.environ.get("LOOKAHEAD_JAX_NO_COMPILE_CACHE"):
+    preset and settings skips XLA compilation. A cache directory already configured
+    (JAX_COMPILATION_CACHE_DIR) is kept as it is; LOOKAHEAD_JAX_NO_COMPILE_CACHE=1 turns the
+    default one off."""
+    if os.environ.get("LOOKAHEAD_JAX_NO_COMPILE_CACHE") or jax.config.jax_compilation_cache_dir:
         return
     jax.config.update("jax_compilation_cache_dir", os.path.join(default_cache_dir(), "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)

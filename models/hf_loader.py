@@ -128,14 +128,6 @@ def _read_raw(file: str, name: str, header: dict[str, Any]) -> np.ndarray:
                      shape=tuple(meta["shape"]))
 
 
-def _targets(entry) -> tuple[Target, ...]:
-    """A table entry -> its Targets ((path, transpose) is one whole-tensor Target)."""
-    if entry and isinstance(entry[0], Target):
-        return tuple(entry)
-    path, transpose = entry
-    return (Target(tuple(path), bool(transpose)),)
-
-
 def _hf_shape(targets: tuple[Target, ...], variables) -> tuple[int, ...]:
     """The Hugging Face tensor's shape that `targets` expect: a parameter's shape ([out, in]
     if transposed), with the rows of a fused tensor's parts added up."""
@@ -226,14 +218,14 @@ def load_hf_llama(path: str | os.PathLike, dtype=jnp.float32,
 
 
 def load_safetensors_into(path: str | os.PathLike, build: Callable[[], nnx.Module],
-                          table: Mapping[str, tuple[Target, ...] | tuple[tuple[Any, ...], bool]],
+                          table: Mapping[str, tuple[Target, ...]],
                           dtype, *,
                           skip: Callable[[str], bool], kind: str,
                           missing_hint: Callable[[list[str]], str] = lambda missing: "",
                           mesh: Mesh | None = None) -> nnx.Module:
     """Builds `build()` shape-only and fills every parameter from the safetensors file(s) of
-    `path`, through `table` (HF tensor name -> its `Target`s: the parameter(s) it fills, or
-    (path in the nnx state, transpose?) for a tensor that is one parameter).
+    `path`, through `table` (HF tensor name -> its `Target`s: the parameter(s) it fills, see
+    `models.families.Target`).
 
     Tensors are read lazily one at a time and cast to `dtype`; every shape is checked. Names
     for which `skip(name)` holds are ignored. Raises CheckpointError naming the file or tensor
@@ -274,7 +266,7 @@ def load_safetensors_into(path: str | os.PathLike, build: Callable[[], nnx.Modul
                         source = _read_raw(file, name, header)  # a memory map: read lazily
                     else:
                         source = sl
-                    targets = _targets(table[name])
+                    targets = table[name]
                     want_hf = _hf_shape(targets, variables)
                     if got != want_hf:
                         raise CheckpointError(

@@ -56,6 +56,20 @@ class DecoderLayer(nnx.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), kv
 
 
+def layer_rules(cfg: LlamaConfig, i: int, positions: jax.Array | None) -> dict:
+    """The attention rules of layer i of a `cfg` model beyond the decoder's mask (see
+    `models.layers.dot_product_attention`): none for a Llama layer."""
+    rules: dict = {}
+    if cfg.query_scale:
+        rules["scale"] = cfg.query_scale
+    if cfg.attn_softcap:
+        rules["softcap"] = cfg.attn_softcap
+    if cfg.layer_kinds[i] == "sliding":
+        rules["window"] = cfg.sliding_window
+        rules["positions"] = positions
+    return rules
+
+
 class Llama(nnx.Module):
     """Llama-family causal LM. Parameter names follow Hugging Face's `LlamaForCausalLM` (and
     Gemma's for the extra norms); `models.families` maps each family's checkpoint onto them."""
@@ -72,18 +86,8 @@ class Llama(nnx.Module):
                         else linear(cfg.hidden_size, cfg.vocab_size, dtype, rngs))
 
     def layer_rules(self, i: int, positions: jax.Array) -> dict:
-        """The attention rules of layer i beyond the decoder's mask (see
-        `models.layers.dot_product_attention`): none for a Llama layer."""
-        cfg = self.config
-        rules: dict = {}
-        if cfg.query_scale:
-            rules["scale"] = cfg.query_scale
-        if cfg.attn_softcap:
-            rules["softcap"] = cfg.attn_softcap
-        if cfg.layer_kinds[i] == "sliding":
-            rules["window"] = cfg.sliding_window
-            rules["positions"] = positions
-        return rules
+        """The attention rules of layer i beyond the decoder's mask: `layer_rules`."""
+        return layer_rules(self.config, i, positions)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
                  cache: KVCache | None = None,

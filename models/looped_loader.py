@@ -28,17 +28,19 @@ from models.hf_loader import (CONFIG_FILE, SAFETENSORS_FILE, CheckpointError, co
                               load_safetensors_into, read_hf_config_json)
 from models.build import build_looped
 from models.config import HF_MODEL_TYPES, LoopedConfig
+from models.families import Target, TensorTable
 from models.looped import LoopedLM
 
 # Recomputed buffers a checkpoint may hold: Ouro's rotary inv_freq, Raven's persistent
 # `freqs_cis` (RoPE cos/sin table).
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^(transformer\.)?freqs_cis$")
 
-Table = dict[str, tuple[tuple[Any, ...], bool]]
+# HF tensor name -> (path in our nnx state, transpose?): every looped tensor is one parameter
+Pairs = dict[str, tuple[tuple[Any, ...], bool]]
 
 
-def _ouro_table(cfg: LoopedConfig) -> Table:
-    t: Table = {
+def _ouro_table(cfg: LoopedConfig) -> Pairs:
+    t: Pairs = {
         "model.embed_tokens.weight": (("embed_tokens", "embedding"), False),
         "model.norm.weight": (("norm", "weight"), False),
         "model.early_exit_gate.weight": (("early_exit_gate", "kernel"), True),
@@ -56,8 +58,8 @@ def _ouro_table(cfg: LoopedConfig) -> Table:
     return t
 
 
-def _raven_table(cfg: LoopedConfig) -> Table:
-    t: Table = {
+def _raven_table(cfg: LoopedConfig) -> Pairs:
+    t: Pairs = {
         "transformer.wte.weight": (("wte", "embedding"), False),
         "transformer.adapter.weight": (("adapter", "kernel"), True),
         "transformer.ln_f.weight": (("ln_f", "weight"), False),
@@ -77,12 +79,13 @@ def _raven_table(cfg: LoopedConfig) -> Table:
     return t
 
 
-def hf_table(cfg: LoopedConfig) -> Table:
-    """HF tensor name -> (path in our nnx state, transpose?). lm_head only when untied."""
+def hf_table(cfg: LoopedConfig) -> TensorTable:
+    """HF tensor name -> the one parameter it fills (`Target`: path in our nnx state,
+    transpose?). lm_head only when untied."""
     t = _ouro_table(cfg) if cfg.family == "ouro" else _raven_table(cfg)
     if not cfg.tie_word_embeddings:
         t["lm_head.weight"] = (("lm_head", "kernel"), True)
-    return t
+    return {name: (Target(path, transpose),) for name, (path, transpose) in t.items()}
 
 
 def is_looped_checkpoint(path: str | os.PathLike) -> bool:
@@ -177,9 +180,9 @@ def hf_state_dict(model: LoopedLM) -> dict[str, np.ndarray]:
     (linear weights [out, in])."""
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     out = {}
-    for name, (key, transpose) in hf_table(model.config).items():
-        arr = np.asarray(flat[key].get_value(), np.float32)
-        out[name] = np.ascontiguousarray(arr.T if transpose else arr)
+    for name, (target,) in hf_table(model.config).items():
+        arr = np.asarray(flat[target.path].get_value(), np.float32)
+        out[name] = np.ascontiguousarray(arr.T if target.transpose else arr)
     return out
 
 

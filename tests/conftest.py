@@ -14,6 +14,15 @@ on a TPU, which perturb logits enough to flip near-tied greedy choices and excee
 tolerances. So on any backend but CPU every test runs with "highest" matmul precision (an
 explicit precision, e.g. the kernel's bfloat16 dots, is unaffected).
 
+One compilation cache for the whole run: most of the suite's time is XLA compiling programs,
+and tests in different files (on pytest-xdist's two processes, and in the child processes that
+rerun a file on 8 CPU devices) compile many of the same programs again. The run keeps its
+compiled programs in a temporary directory (JAX_COMPILATION_CACHE_DIR, set here before jax is
+imported so the worker and child processes inherit it; removed when the run ends; a directory
+given in the environment is used instead and kept). The CLI's own cache in the model cache
+directory (`lookahead_jax.decode.enable_compile_cache`) then stays out of the tests, so no run
+reuses programs compiled by an earlier one.
+
 Freeing compiled programs: one pytest process compiles several hundred XLA programs; each
 keeps its machine code mapped in memory for as long as something references it. Clearing JAX's
 caches and collecting the module's engines after every module keeps the process far below the
@@ -24,11 +33,24 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# the run's compilation cache: created by the first pytest process, inherited by the others
+_RUN_CACHE = None
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _RUN_CACHE = tempfile.mkdtemp(prefix="lookahead_jax_tests_xla_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    if _RUN_CACHE:  # only the process that created it (xdist's controller, or a plain run)
+        shutil.rmtree(_RUN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -39,6 +39,7 @@ def _env(devices: int) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", LOOKAHEAD_JAX_NO_COMPILE_CACHE="1",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     env.pop("JAX_COORDINATOR_ADDRESS", None)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the test run's cache (conftest.py): not here
     return env
 
 
