@@ -271,7 +271,8 @@ class LoopedConfig:
         """Builds a config from a Hugging Face `config.json` dict: Ouro (`model_type` "ouro",
         OuroConfig fields, `total_ut_steps` loops) or Huginn/Raven (`model_type` "huginn_raven",
         RavenConfig fields: n_embd, n_heads, n_layers_in_prelude / _recurrent_block / _coda,
-        mean_recurrence loops, rope_base, norm_eps, tie_embeddings, qk_bias)."""
+        mean_recurrence loops, rope_base, norm_eps, tie_embeddings, qk_bias, and
+        init_values' embed_scale and std where given)."""
         arch = hf.get("model_type")
         if arch not in HF_MODEL_TYPES:
             raise ConfigError(f"config.json: model_type {arch!r} is not a looped model "
@@ -336,6 +337,17 @@ class LoopedConfig:
                     f"config.json: unsupported {field} {hf[field]!r} (expected {want!r})")
         hidden = int(get("n_embd", "hidden_size"))
         heads = int(get("n_heads", "num_attention_heads"))
+        # RavenConfig derives init_values from n_embd unless config.json gives them (checkpoints
+        # converted from other models do: embed_scale 1); the model scales its embedding by
+        # init_values["embed_scale"] and draws its initial state with init_values["std"].
+        init = hf.get("init_values") or {}
+        scales = {}
+        for field, ours in (("embed_scale", "embed_scale"), ("std", "state_std")):
+            if field in init:
+                scales[ours] = float(init[field])
+                if scales[ours] <= 0:
+                    raise ConfigError(f"config.json: init_values {field} must be positive, "
+                                      f"got {init[field]!r}")
         return cls(
             family="raven", hidden_size=hidden, num_heads=heads,
             num_kv_heads=int(get("num_key_value_heads", default=heads)),
@@ -348,4 +360,4 @@ class LoopedConfig:
             tie_word_embeddings=bool(get("tie_embeddings", "tie_word_embeddings", default=True)),
             qk_bias=bool(get("qk_bias", default=True)),
             max_position_embeddings=int(get("block_size", "max_position_embeddings", default=4096)),
-            **common)
+            **scales, **common)

@@ -147,16 +147,10 @@ def hf_config_dict(cfg: LoopedConfig) -> dict[str, Any]:
             "total_ut_steps": cfg.num_loops, "early_exit_threshold": 1.0,
             "bos_token_id": cfg.bos_token_id, "eos_token_id": eos_field,
         }
-    default = LoopedConfig(family="raven", vocab_size=1, hidden_size=cfg.hidden_size,
-                           intermediate_size=1, num_heads=cfg.num_heads,
-                           num_kv_heads=cfg.num_heads, num_loops=1, core_layers=1)
-    if not (math.isclose(cfg.embed_scale, default.embed_scale)
-            and math.isclose(cfg.state_std, default.state_std)):
-        raise CheckpointError("raven config: embed_scale / state_std other than the defaults "
-                              "cannot be written to a Hugging Face config.json")
     if cfg.head_dim * cfg.num_heads != cfg.hidden_size:
         raise CheckpointError("raven config: head_dim * num_heads must equal hidden_size in a "
                               "Hugging Face config.json")
+    depth = cfg.prelude_layers + cfg.coda_layers + cfg.core_layers * cfg.num_loops
     return {
         "architectures": ["RavenForCausalLM"], "model_type": "huginn_raven",
         "vocab_size": cfg.vocab_size, "n_embd": cfg.hidden_size, "n_heads": cfg.num_heads,
@@ -171,6 +165,10 @@ def hf_config_dict(cfg: LoopedConfig) -> dict[str, Any]:
         "block_class_name": "SandwichBlock", "norm_class_name": "RMSNorm_llama",
         "mlp_class_name": "GatedMLP", "nonlin_name": "SiLU", "injection_type": "linear",
         "state_init": "like-init",
+        # as RavenConfig spells them out (it reads embed_scale and std; the other two are
+        # weight-init scales, derived as it derives them)
+        "init_values": {"std": cfg.state_std, "out_proj": cfg.state_std / math.sqrt(2 * depth),
+                        "embedding": cfg.state_std, "embed_scale": cfg.embed_scale},
         "bos_token_id": cfg.bos_token_id, "eos_token_id": eos_field,
     }
 

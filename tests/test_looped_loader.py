@@ -133,6 +133,23 @@ def test_untied_raven_and_tied_ouro(tmp_path):
         np.testing.assert_array_equal(np.asarray(_logits(loaded)[0]), np.asarray(_logits(model)[0]))
 
 
+def test_raven_init_values(tmp_path):
+    """Raven's embedding scale and initial-state std travel in config.json's `init_values`, as
+    RavenConfig spells them (a converted checkpoint has embed_scale 1): written, read back,
+    and used (the loaded model's logits are the original's)."""
+    model = _model("raven", embed_scale=1.0, state_std=0.1)
+    save_hf_looped(model, tmp_path)
+    init = json.loads((tmp_path / "config.json").read_text())["init_values"]
+    assert (init["embed_scale"], init["std"]) == (1.0, 0.1)
+    loaded = load_hf_looped(tmp_path)
+    assert loaded.config == model.config
+    np.testing.assert_array_equal(_logits(loaded), _logits(model))
+    hf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "init_values": {"std": 0.0}}))
+    with pytest.raises(CheckpointError, match="init_values std must be positive"):
+        load_looped_config(tmp_path)
+
+
 def test_sharded(tmp_path, saved):
     _, model, _, tensors = saved
     names = sorted(tensors)
