@@ -284,3 +284,30 @@ def test_smollm2_preset_matches_the_embedded_file():
     except ConfigError as e:
         pytest.skip(f"SmolLM2 not available ({e})")
     check_model_matches(load_preset("smollm2_135m"), load_gguf_config(path), str(path))
+
+
+def test_compile_cache_directory(monkeypatch, tmp_path):
+    """The CLI keeps compiled programs in `<model cache>/xla` unless JAX already has a cache
+    directory (JAX_COMPILATION_CACHE_DIR: kept, as the test run's own is) or
+    LOOKAHEAD_JAX_NO_COMPILE_CACHE is set."""
+    import jax  # noqa: PLC0415
+
+    from lookahead_jax.decode import enable_compile_cache  # noqa: PLC0415
+    from lookahead_jax.store.model_store import CACHE_ENV  # noqa: PLC0415
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = {k: getattr(jax.config, k) for k in keys}
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "store"))
+    try:
+        jax.config.update(keys[0], str(tmp_path / "mine"))
+        enable_compile_cache()
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+        jax.config.update(keys[0], None)
+        monkeypatch.setenv("LOOKAHEAD_JAX_NO_COMPILE_CACHE", "1")
+        enable_compile_cache()
+        assert jax.config.jax_compilation_cache_dir is None
+        monkeypatch.delenv("LOOKAHEAD_JAX_NO_COMPILE_CACHE")
+        enable_compile_cache()
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "store" / "xla")
+    finally:
+        for k, v in before.items():
+            jax.config.update(k, v)

@@ -17,8 +17,8 @@ from models.build import build_looped
 from models.config import ConfigError, LoopedConfig
 from models.hf_loader import CheckpointError
 from models.looped import LoopedLM
-from models.looped_loader import (hf_state_dict, is_looped_checkpoint, load_hf_looped,
-                                  load_looped_config, save_hf_looped)
+from models.looped_loader import (is_looped_checkpoint, load_hf_looped, load_looped_config,
+                                  save_hf_looped)
 
 B, T = 2, 7
 

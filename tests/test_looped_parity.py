@@ -36,7 +36,7 @@ from safetensors.numpy import save_file
 from models.looped import LoopedLM, default_mask
 from models.looped_loader import load_hf_looped
 from looped_reference import (OURO_PLANTS, RAVEN_PLANTS, ouro_forward, raven_forward,
-                                    raven_init_values)
+                              raven_init_values)
 
 B, T = 2, 7
 TOL = 1e-4  # of the logit scale (max |reference logit|)
