@@ -280,3 +280,39 @@ def test_reference_figures_come_from_the_data_file():
                                             "gsm8k": (1.94, 10.2)}
     assert ref["by_label"]["(15,5,15) +prompt"]["humaneval"] == (2.17, 12.3)
     assert set(ref["by_label"]) == {"(15,5,15)", "(15,5,15) +prompt", "(7,5,7)", "(5,4,5)"}
+
+
+# ---------------------------------------------------------------------- degeneracy (#21) ---
+def test_degeneracy_scores():
+    from benchmarks.degeneracy import distinct_ngram_ratio, ends_in_cycle, score  # noqa: PLC0415
+    text = list(range(40))
+    assert ends_in_cycle(text) == 0
+    assert ends_in_cycle(text + [7] * 12) == 1
+    assert ends_in_cycle(text + [7] * 11) == 0  # a cycle of period 1 needs 12 tokens
+    assert ends_in_cycle(text + [1, 2, 3] * 4) == 3
+    assert ends_in_cycle(text + [1, 2, 3, 4, 5] * 3) == 5  # 3 periods of 5
+    assert ends_in_cycle(text + [1, 2, 3, 4, 5] * 2 + [1, 2, 3, 4]) == 0
+    assert ends_in_cycle([1, 2, 3] * 10 + text) == 0  # a loop that the text left
+    assert ends_in_cycle(list(range(17)) * 3) == 0  # longer than the longest period
+    assert ends_in_cycle([5] * 11) == 0  # too short to tell
+    assert distinct_ngram_ratio(list(range(10))) == 1.0
+    assert distinct_ngram_ratio([1, 2] * 10) == 2 / 17
+    assert distinct_ngram_ratio([1, 2]) == 1.0
+    s = score(text + [9] * 12 + [0], eos_ids=(0,))
+    assert s == {"cycle": 1, "distinct4": round(41 / 49, 4), "length": 52, "eos": True}
+    assert not score([0, 1], eos_ids=(2,))["eos"]
+
+
+def test_degeneracy_smoke(tiny_engine, tmp_path):
+    """`benchmarks.degeneracy` on the tiny random Llama: every output scored, the table."""
+    from benchmarks import degeneracy  # noqa: PLC0415
+    data = write_data(tmp_path)
+    results = degeneracy.run(tiny_engine, ["gsm8k", "humaneval"], 2, 8, data)
+    for name in ("gsm8k", "humaneval"):
+        outs = results[name]["outputs"]
+        assert len(outs) == 2 and all(len(o["ids"]) == 8 or o["scores"]["eos"] for o in outs)
+        assert [o["scores"] for o in outs] == [
+            degeneracy.score(o["ids"], tiny_engine.eos_ids) for o in outs]
+        summary = results[name]["summary"]
+        assert summary["prompts"] == 2 and 0 <= summary["distinct4"] <= 1
+    assert "| gsm8k | 2 |" in degeneracy.table(results)

@@ -1,0 +1,136 @@
+"""How degenerate a model's greedy text is, on the benchmark prompts (#21's yardstick).
+
+    python -m benchmarks.degeneracy [--config smollm2_135m] [--ckpt PATH] [--num_prompts 20]
+        [--max_new_tokens 128] [--sets mt_bench,humaneval,gsm8k,mbpp,classeval]
+        [--data_dir ../shared/data] [--out benchmarks/results] [--tag NAME]
+
+A looped model trained here is only worth drafting for if it writes text as a real model does:
+#21 asks that its greedy outputs be no more degenerate than SmolLM2-135M-Instruct's on the same
+prompts, measured the same way. For each data set, the first --num_prompts prompts (MT-Bench
+turn 1, GSM8K and MBPP through the chat template, HumanEval and ClassEval raw, as the suite
+encodes them) are decoded greedily (plain decoding) in one batch, and each output is scored:
+
+- cycle: the output (EOS removed) ends in a repeated cycle: for some period p <= 16, its last
+  max(3p, 12) tokens repeat with period p (`ends_in_cycle`). "a a a a ...", "x y x y ...", a
+  line printed over and over. An output that stopped at EOS can still end in a cycle.
+- distinct-4: distinct 4-grams over all 4-grams of the output (`distinct_ngram_ratio`); 1.0 for
+  text that never repeats a 4-gram, near 0 for a loop.
+- eos: the output ended with an end-of-sequence token before --max_new_tokens.
+
+Per set: the share of outputs ending in a cycle, the mean distinct-4 ratio, the share ending at
+EOS, the mean length. Prints a Markdown table and writes degeneracy_<tag>.json (every output's
+ids, text and scores) into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Sequence
+
+from benchmarks import common
+
+MAX_PERIOD = 16
+MIN_CYCLE_TOKENS = 12
+
+
+def ends_in_cycle(ids: Sequence[int], max_period: int = MAX_PERIOD,
+                  min_tokens: int = MIN_CYCLE_TOKENS) -> int:
+    """The smallest period p <= max_period such that the last max(3p, min_tokens) tokens of
+    `ids` repeat with period p (ids[i] == ids[i - p] over that tail), or 0 when there is none
+    (or the output is shorter than that tail)."""
+    ids = list(ids)
+    for p in range(1, max_period + 1):
+        tail = max(3 * p, min_tokens)
+        if len(ids) < tail:
+            return 0
+        if all(ids[i] == ids[i - p] for i in range(len(ids) - tail + p, len(ids))):
+            return p
+    return 0
+
+
+def distinct_ngram_ratio(ids: Sequence[int], n: int = 4) -> float:
+    """Distinct n-grams over all n-grams of `ids` (1.0 when there are none)."""
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def score(ids: Sequence[int], eos_ids: Sequence[int]) -> dict:
+    """One output's scores: cycle period (0: none), distinct-4, length, ended at EOS."""
+    ids = list(ids)
+    eos = bool(ids) and ids[-1] in set(eos_ids)
+    body = ids[:-1] if eos else ids
+    return {"cycle": ends_in_cycle(body), "distinct4": round(distinct_ngram_ratio(body), 4),
+            "length": len(body), "eos": eos}
+
+
+def summarize(scores: list[dict]) -> dict:
+    n = max(len(scores), 1)
+    return {"prompts": len(scores),
+            "cycle_share": sum(s["cycle"] > 0 for s in scores) / n,
+            "distinct4": sum(s["distinct4"] for s in scores) / n,
+            "eos_share": sum(s["eos"] for s in scores) / n,
+            "mean_length": sum(s["length"] for s in scores) / n}
+
+
+def run(engine, sets: Sequence[str], num_prompts: int, max_new_tokens: int,
+        data_dir: str | None, log=lambda m: None) -> dict:
+    """{set: {"summary": ..., "outputs": [{ids, text, scores}]}} for greedy plain decoding."""
+    out = {}
+    for name in sets:
+        prompts = common.encoded_prompts(engine, name, num_prompts, data_dir)
+        t0 = time.perf_counter()
+        result = engine.generate_ids(prompts, method="ar", max_new_tokens=max_new_tokens)
+        outputs = [{"ids": list(map(int, ids)), "text": engine.decode(ids),
+                    "scores": score(ids, engine.eos_ids)}
+                   for ids in result.tokens]
+        out[name] = {"summary": summarize([o["scores"] for o in outputs]), "outputs": outputs}
+        log(f"{name}: {len(prompts)} prompts in {time.perf_counter() - t0:.0f} s")
+    return out
+
+
+def table(results: dict) -> str:
+    rows = []
+    for name, r in results.items():
+        s = r["summary"]
+        rows.append([name, s["prompts"], f"{s['cycle_share']:.2f}", f"{s['distinct4']:.3f}",
+                     f"{s['eos_share']:.2f}", f"{s['mean_length']:.0f}"])
+    return common.markdown_table(
+        ["set", "prompts", "ends in a cycle", "distinct-4", "ends at EOS", "mean length"], rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="smollm2_135m")
+    ap.add_argument("--ckpt", default=None)
+    ap.add_argument("--sets", default=",".join(common.DATASETS))
+    ap.add_argument("--num_prompts", type=int, default=20)
+    ap.add_argument("--max_new_tokens", type=int, default=128)
+    ap.add_argument("--data_dir", default=None)
+    ap.add_argument("--out", default=os.path.join(common.REPO, "benchmarks", "results"))
+    ap.add_argument("--tag", default=None, help="file name tag (default: the config)")
+    args = ap.parse_args(argv)
+    sets = [s.strip() for s in args.sets.split(",") if s.strip()]
+    unknown = [s for s in sets if s not in common.PROMPT_SETS]
+    if unknown or args.num_prompts < 1 or args.max_new_tokens < 1:
+        ap.error(f"unknown data set {unknown[0]!r} (known: {', '.join(common.DATASETS)})"
+                 if unknown else "--num_prompts and --max_new_tokens must be >= 1")
+    from lookahead_jax.engine import Engine  # noqa: PLC0415
+    engine = Engine.from_preset(args.config, ckpt=args.ckpt)
+    results = run(engine, sets, args.num_prompts, args.max_new_tokens, args.data_dir,
+                  log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"Greedy outputs of {args.config} (max {args.max_new_tokens} new tokens)\n\n"
+          f"{table(results)}")
+    os.makedirs(args.out, exist_ok=True)
+    path = common.write_json(
+        os.path.join(args.out, f"degeneracy_{args.tag or args.config}.json"),
+        {"config": args.config, "ckpt": args.ckpt, "max_new_tokens": args.max_new_tokens,
+         "machine": common.machine_info(), "sets": results})
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
