@@ -1,14 +1,15 @@
 """How degenerate a model's greedy text is, on the benchmark prompts (#21's yardstick).
 
     python -m benchmarks.degeneracy [--config smollm2_135m] [--ckpt PATH] [--num_prompts 20]
-        [--max_new_tokens 128] [--sets mt_bench,humaneval,gsm8k,mbpp,classeval]
+        [--max_new_tokens 128] [--batch_size 5] [--sets mt_bench,humaneval,gsm8k,mbpp,classeval]
         [--data_dir ../shared/data] [--out benchmarks/results] [--tag NAME]
 
 A looped model trained here is only worth drafting for if it writes text as a real model does:
 #21 asks that its greedy outputs be no more degenerate than SmolLM2-135M-Instruct's on the same
 prompts, measured the same way. For each data set, the first --num_prompts prompts (MT-Bench
 turn 1, GSM8K and MBPP through the chat template, HumanEval and ClassEval raw, as the suite
-encodes them) are decoded greedily (plain decoding) in one batch, and each output is scored:
+encodes them) are decoded greedily (plain decoding), --batch_size at a time (5), and each output
+is scored:
 
 - cycle: the output (EOS removed) ends in a repeated cycle: for some period p <= 16, its last
   max(3p, 12) tokens repeat with period p (`ends_in_cycle`). "a a a a ...", "x y x y ...", a
@@ -76,16 +77,20 @@ def summarize(scores: list[dict]) -> dict:
 
 
 def run(engine, sets: Sequence[str], num_prompts: int, max_new_tokens: int,
-        data_dir: str | None, log=lambda m: None) -> dict:
-    """{set: {"summary": ..., "outputs": [{ids, text, scores}]}} for greedy plain decoding."""
+        data_dir: str | None, batch_size: int = 5, log=lambda m: None) -> dict:
+    """{set: {"summary": ..., "outputs": [{ids, text, scores}]}} for greedy plain decoding,
+    batch_size prompts at a time (a batch's prefill holds all its prompts' activations)."""
     out = {}
     for name in sets:
         prompts = common.encoded_prompts(engine, name, num_prompts, data_dir)
         t0 = time.perf_counter()
-        result = engine.generate_ids(prompts, method="ar", max_new_tokens=max_new_tokens)
+        tokens = []
+        for i in range(0, len(prompts), batch_size):
+            tokens += engine.generate_ids(prompts[i:i + batch_size], method="ar",
+                                          max_new_tokens=max_new_tokens).tokens
         outputs = [{"ids": list(map(int, ids)), "text": engine.decode(ids),
                     "scores": score(ids, engine.eos_ids)}
-                   for ids in result.tokens]
+                   for ids in tokens]
         out[name] = {"summary": summarize([o["scores"] for o in outputs]), "outputs": outputs}
         log(f"{name}: {len(prompts)} prompts in {time.perf_counter() - t0:.0f} s")
     return out
@@ -108,19 +113,20 @@ def main(argv=None) -> int:
     ap.add_argument("--sets", default=",".join(common.DATASETS))
     ap.add_argument("--num_prompts", type=int, default=20)
     ap.add_argument("--max_new_tokens", type=int, default=128)
+    ap.add_argument("--batch_size", type=int, default=5)
     ap.add_argument("--data_dir", default=None)
     ap.add_argument("--out", default=os.path.join(common.REPO, "benchmarks", "results"))
     ap.add_argument("--tag", default=None, help="file name tag (default: the config)")
     args = ap.parse_args(argv)
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     unknown = [s for s in sets if s not in common.PROMPT_SETS]
-    if unknown or args.num_prompts < 1 or args.max_new_tokens < 1:
+    if unknown or min(args.num_prompts, args.max_new_tokens, args.batch_size) < 1:
         ap.error(f"unknown data set {unknown[0]!r} (known: {', '.join(common.DATASETS)})"
-                 if unknown else "--num_prompts and --max_new_tokens must be >= 1")
+                 if unknown else "--num_prompts, --max_new_tokens and --batch_size must be >= 1")
     from lookahead_jax.engine import Engine  # noqa: PLC0415
     engine = Engine.from_preset(args.config, ckpt=args.ckpt)
     results = run(engine, sets, args.num_prompts, args.max_new_tokens, args.data_dir,
-                  log=lambda m: print(m, file=sys.stderr, flush=True))
+                  args.batch_size, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"Greedy outputs of {args.config} (max {args.max_new_tokens} new tokens)\n\n"
           f"{table(results)}")
     os.makedirs(args.out, exist_ok=True)

@@ -84,7 +84,10 @@ def test_cache_capacity_is_what_a_step_writes(method, capacity):
 def test_loopspec_on_32_loops_sizes_its_cache_from_the_tree():
     """Bug 3: a 32-token prompt, 64 new tokens, R = 32: the tree needs 33 scratch slots, the old
     guess of 32 gave a cache of 128 and `check_scratch_room` raised."""
-    cfg = looped_config("huginn_0125", num_loops=32)
+    # one layer in each part (CI's time: every loop's layers are compiled): the loop count
+    # is what sizes the tree
+    cfg = looped_config("huginn_0125", num_loops=32, prelude_layers=1, core_layers=1,
+                        coda_layers=1)
     assert cfg.family == "raven" and cfg.num_loops == 32
     method = LoopSpec()
     assert method.cache_capacity(cfg) == 33

@@ -304,15 +304,19 @@ def test_degeneracy_scores():
 
 
 def test_degeneracy_smoke(tiny_engine, tmp_path):
-    """`benchmarks.degeneracy` on the tiny random Llama: every output scored, the table."""
+    """`benchmarks.degeneracy` on the tiny random Llama: 3 prompts in batches of 2, each output
+    the one-prompt greedy run's and scored; the table."""
     from benchmarks import degeneracy  # noqa: PLC0415
-    data = write_data(tmp_path)
-    results = degeneracy.run(tiny_engine, ["gsm8k", "humaneval"], 2, 8, data)
+    data = write_data(tmp_path, n=3)
+    results = degeneracy.run(tiny_engine, ["gsm8k", "humaneval"], 3, 8, data, batch_size=2)
     for name in ("gsm8k", "humaneval"):
         outs = results[name]["outputs"]
-        assert len(outs) == 2 and all(len(o["ids"]) == 8 or o["scores"]["eos"] for o in outs)
+        prompts = common.encoded_prompts(tiny_engine, name, 3, data)
+        assert [o["ids"] for o in outs] == [
+            tiny_engine.generate_ids([p], method="ar", max_new_tokens=8).tokens[0]
+            for p in prompts]
         assert [o["scores"] for o in outs] == [
             degeneracy.score(o["ids"], tiny_engine.eos_ids) for o in outs]
         summary = results[name]["summary"]
-        assert summary["prompts"] == 2 and 0 <= summary["distinct4"] <= 1
-    assert "| gsm8k | 2 |" in degeneracy.table(results)
+        assert summary["prompts"] == 3 and 0 <= summary["distinct4"] <= 1
+    assert "| gsm8k | 3 |" in degeneracy.table(results)
