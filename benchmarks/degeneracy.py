@@ -18,7 +18,8 @@ is scored:
   text that never repeats a 4-gram, near 0 for a loop.
 - eos: the output ended with an end-of-sequence token before --max_new_tokens.
 
-Per set: the share of outputs ending in a cycle, the mean distinct-4 ratio, the share ending at
+Prompts too long for the model (or for --max_positions) are left out and counted. Per set: the
+share of outputs ending in a cycle, the mean distinct-4 ratio, the share ending at
 EOS, the mean length. Prints a Markdown table and writes degeneracy_<tag>.json (every output's
 ids, text and scores) into --out.
 """
@@ -32,6 +33,7 @@ import time
 from typing import Sequence
 
 from benchmarks import common
+from lookahead_jax.generation import bucket_length
 
 MAX_PERIOD = 16
 MIN_CYCLE_TOKENS = 12
@@ -76,22 +78,36 @@ def summarize(scores: list[dict]) -> dict:
             "mean_length": sum(s["length"] for s in scores) / n}
 
 
+def fits(prompt_len: int, max_new_tokens: int, max_positions: int) -> bool:
+    """Whether a prompt of prompt_len tokens, padded to its bucket as `generate_ids` pads it,
+    and max_new_tokens fit in max_positions."""
+    return bucket_length(prompt_len) + max_new_tokens <= max_positions
+
+
 def run(engine, sets: Sequence[str], num_prompts: int, max_new_tokens: int,
-        data_dir: str | None, batch_size: int = 5, log=lambda m: None) -> dict:
-    """{set: {"summary": ..., "outputs": [{ids, text, scores}]}} for greedy plain decoding,
-    batch_size prompts at a time (a batch's prefill holds all its prompts' activations)."""
+        data_dir: str | None, batch_size: int = 5, max_positions: int | None = None,
+        log=lambda m: None) -> dict:
+    """{set: {"summary": ..., "outputs": [{prompt, ids, text, scores}], "too_long": [prompt
+    indices]}} for greedy plain decoding, batch_size prompts at a time (a batch's prefill
+    holds all its prompts' activations). Prompts that do not fit in max_positions (default: the
+    model's) are left out and listed; give two models the same max_positions to score both on
+    the same prompts."""
+    limit = max_positions or engine.config.max_position_embeddings
     out = {}
     for name in sets:
-        prompts = common.encoded_prompts(engine, name, num_prompts, data_dir)
+        every = common.encoded_prompts(engine, name, num_prompts, data_dir)
+        kept = [i for i, p in enumerate(every) if fits(len(p), max_new_tokens, limit)]
+        prompts = [every[i] for i in kept]
         t0 = time.perf_counter()
         tokens = []
         for i in range(0, len(prompts), batch_size):
             tokens += engine.generate_ids(prompts[i:i + batch_size], method="ar",
                                           max_new_tokens=max_new_tokens).tokens
-        outputs = [{"ids": list(map(int, ids)), "text": engine.decode(ids),
+        outputs = [{"prompt": i, "ids": list(map(int, ids)), "text": engine.decode(ids),
                     "scores": score(ids, engine.eos_ids)}
-                   for ids in tokens]
-        out[name] = {"summary": summarize([o["scores"] for o in outputs]), "outputs": outputs}
+                   for i, ids in zip(kept, tokens)]
+        out[name] = {"summary": summarize([o["scores"] for o in outputs]), "outputs": outputs,
+                     "too_long": [i for i in range(len(every)) if i not in kept]}
         log(f"{name}: {len(prompts)} prompts in {time.perf_counter() - t0:.0f} s")
     return out
 
@@ -100,10 +116,10 @@ def table(results: dict) -> str:
     rows = []
     for name, r in results.items():
         s = r["summary"]
-        rows.append([name, s["prompts"], f"{s['cycle_share']:.2f}", f"{s['distinct4']:.3f}",
+        rows.append([name, s["prompts"], len(r["too_long"]), f"{s['cycle_share']:.2f}", f"{s['distinct4']:.3f}",
                      f"{s['eos_share']:.2f}", f"{s['mean_length']:.0f}"])
     return common.markdown_table(
-        ["set", "prompts", "ends in a cycle", "distinct-4", "ends at EOS", "mean length"], rows)
+        ["set", "prompts", "too long", "ends in a cycle", "distinct-4", "ends at EOS", "mean length"], rows)
 
 
 def main(argv=None) -> int:
@@ -114,6 +130,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num_prompts", type=int, default=20)
     ap.add_argument("--max_new_tokens", type=int, default=128)
     ap.add_argument("--batch_size", type=int, default=5)
+    ap.add_argument("--max_positions", type=int, default=None,
+                    help="leave out prompts that do not fit in this many positions (default: "
+                         "the model's); the same value for two models scores the same prompts")
     ap.add_argument("--data_dir", default=None)
     ap.add_argument("--out", default=os.path.join(common.REPO, "benchmarks", "results"))
     ap.add_argument("--tag", default=None, help="file name tag (default: the config)")
@@ -126,13 +145,14 @@ def main(argv=None) -> int:
     from lookahead_jax.engine import Engine  # noqa: PLC0415
     engine = Engine.from_preset(args.config, ckpt=args.ckpt)
     results = run(engine, sets, args.num_prompts, args.max_new_tokens, args.data_dir,
-                  args.batch_size, log=lambda m: print(m, file=sys.stderr, flush=True))
+                  args.batch_size, args.max_positions, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"Greedy outputs of {args.config} (max {args.max_new_tokens} new tokens)\n\n"
           f"{table(results)}")
     os.makedirs(args.out, exist_ok=True)
     path = common.write_json(
         os.path.join(args.out, f"degeneracy_{args.tag or args.config}.json"),
         {"config": args.config, "ckpt": args.ckpt, "max_new_tokens": args.max_new_tokens,
+         "max_positions": args.max_positions,
          "machine": common.machine_info(), "sets": results})
     print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -319,4 +319,9 @@ def test_degeneracy_smoke(tiny_engine, tmp_path):
             degeneracy.score(o["ids"], tiny_engine.eos_ids) for o in outs]
         summary = results[name]["summary"]
         assert summary["prompts"] == 3 and 0 <= summary["distinct4"] <= 1
-    assert "| gsm8k | 3 |" in degeneracy.table(results)
+        assert results[name]["too_long"] == []
+    assert "| gsm8k | 3 | 0 |" in degeneracy.table(results)
+    # a limit that the prompts (17-32 tokens, padded to 32) and 8 new tokens exceed
+    short = degeneracy.run(tiny_engine, ["gsm8k"], 3, 8, data, max_positions=39)
+    assert short["gsm8k"]["too_long"] == [0, 1, 2] and short["gsm8k"]["outputs"] == []
+    assert degeneracy.fits(31, 8, 40) and not degeneracy.fits(33, 8, 64)
