@@ -194,26 +194,26 @@ def _err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
+def _checkpoint(configs: dict, name: str, make_weights, tmp_path_factory):
+    """(config dict, weights, ids, our model loaded from the checkpoint written for them)."""
+    cfg = configs[name]
+    weights = make_weights(cfg)
+    path = tmp_path_factory.mktemp(name)
+    _write(path, cfg, weights)
+    return cfg, weights, _ids(cfg["vocab_size"]), load_hf_looped(path)
+
+
 @pytest.fixture(scope="module", params=list(OURO))
 def ouro(request, tmp_path_factory):
     """(config dict, weights, ids, our per-loop logits, gates, full-depth logits)."""
-    cfg = OURO[request.param]
-    weights = ouro_weights(cfg)
-    path = tmp_path_factory.mktemp(request.param)
-    _write(path, cfg, weights)
-    ids = _ids(cfg["vocab_size"])
-    return (cfg, weights, ids, *_ours(load_hf_looped(path), ids))
+    cfg, weights, ids, model = _checkpoint(OURO, request.param, ouro_weights, tmp_path_factory)
+    return (cfg, weights, ids, *_ours(model, ids))
 
 
 @pytest.fixture(scope="module", params=list(RAVEN))
 def raven(request, tmp_path_factory):
     """(config dict, weights, ids, our initial state, per-loop logits, full-depth logits)."""
-    cfg = RAVEN[request.param]
-    weights = raven_weights(cfg)
-    path = tmp_path_factory.mktemp(request.param)
-    _write(path, cfg, weights)
-    ids = _ids(cfg["vocab_size"])
-    model = load_hf_looped(path)
+    cfg, weights, ids, model = _checkpoint(RAVEN, request.param, raven_weights, tmp_path_factory)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
     state = np.asarray(model.initial_state(jnp.zeros((B, T, cfg["n_embd"])), pos), np.float64)
     logits, _, full = _ours(model, ids)
