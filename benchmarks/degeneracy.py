@@ -97,6 +97,7 @@ def run(engine, sets: Sequence[str], num_prompts: int, max_new_tokens: int,
     for name in sets:
         every = common.encoded_prompts(engine, name, num_prompts, data_dir)
         kept = [i for i, p in enumerate(every) if fits(len(p), max_new_tokens, limit)]
+        too_long = sorted(set(range(len(every))) - set(kept))
         prompts = [every[i] for i in kept]
         t0 = time.perf_counter()
         tokens = []
@@ -107,7 +108,7 @@ def run(engine, sets: Sequence[str], num_prompts: int, max_new_tokens: int,
                     "scores": score(ids, engine.eos_ids)}
                    for i, ids in zip(kept, tokens)]
         out[name] = {"summary": summarize([o["scores"] for o in outputs]), "outputs": outputs,
-                     "too_long": [i for i in range(len(every)) if i not in kept]}
+                     "too_long": too_long}
         log(f"{name}: {len(prompts)} prompts in {time.perf_counter() - t0:.0f} s")
     return out
 
@@ -116,10 +117,10 @@ def table(results: dict) -> str:
     rows = []
     for name, r in results.items():
         s = r["summary"]
-        rows.append([name, s["prompts"], len(r["too_long"]), f"{s['cycle_share']:.2f}", f"{s['distinct4']:.3f}",
-                     f"{s['eos_share']:.2f}", f"{s['mean_length']:.0f}"])
-    return common.markdown_table(
-        ["set", "prompts", "too long", "ends in a cycle", "distinct-4", "ends at EOS", "mean length"], rows)
+        rows.append([name, s["prompts"], len(r["too_long"]), f"{s['cycle_share']:.2f}",
+                     f"{s['distinct4']:.3f}", f"{s['eos_share']:.2f}", f"{s['mean_length']:.0f}"])
+    return common.markdown_table(["set", "prompts", "too long", "ends in a cycle", "distinct-4",
+                                  "ends at EOS", "mean length"], rows)
 
 
 def main(argv=None) -> int:
@@ -145,7 +146,8 @@ def main(argv=None) -> int:
     from lookahead_jax.engine import Engine  # noqa: PLC0415
     engine = Engine.from_preset(args.config, ckpt=args.ckpt)
     results = run(engine, sets, args.num_prompts, args.max_new_tokens, args.data_dir,
-                  args.batch_size, args.max_positions, log=lambda m: print(m, file=sys.stderr, flush=True))
+                  args.batch_size, args.max_positions,
+                  log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"Greedy outputs of {args.config} (max {args.max_new_tokens} new tokens)\n\n"
           f"{table(results)}")
     os.makedirs(args.out, exist_ok=True)

@@ -58,7 +58,7 @@ OURO_PLANTS = ("norm_once", "rope_pairs", "no_post_attn_norm", "gate_before_norm
 RAVEN_PLANTS = ("adapter_order", "rope_half", "no_embed_scale", "no_ln_f_before_coda")
 
 
-# ---- shared pieces ----------------------------------------------------------------------------
+# ---- shared pieces (test_smollm2's GGUF reference uses them too) ------------------------------
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * w over the last axis."""

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from looped_reference import causal_attention, rms_norm, rope_pairs, silu
 
 from lookahead_jax.store.model_store import smollm2_gguf
 from models.config import ConfigError
@@ -156,37 +157,19 @@ def _numpy_forward(gguf_raw, ids: list[int]) -> np.ndarray:
     t, e = len(ids), emb.shape[1]
     d = e // n_head
     pos = np.arange(t, dtype=np.float64)
-    ang = pos[:, None] * (1.0 / theta ** (np.arange(0, d, 2) / d))[None]  # [T, D/2]
-    cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
-
-    def rope(x):  # [T, n, D], llama.cpp "normal" mode: rotate pairs (2j, 2j+1)
-        a, b = x[..., 0::2], x[..., 1::2]
-        out = np.empty_like(x)
-        out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
-        return out
-
-    def norm(x, g):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g
-
-    causal = np.tril(np.ones((t, t), bool))
-    x = emb[ids]
+    x = emb[ids][None]  # [1, T, E]
     for i in range(n_layer):
         p = f"blk.{i}."
-        h = norm(x, w[p + "attn_norm.weight"])
-        q = rope((h @ w[p + "attn_q.weight"].T).reshape(t, n_head, d))
-        k = rope((h @ w[p + "attn_k.weight"].T).reshape(t, n_kv, d))
-        v = (h @ w[p + "attn_v.weight"].T).reshape(t, n_kv, d)
-        k, v = np.repeat(k, n_head // n_kv, 1), np.repeat(v, n_head // n_kv, 1)
-        s = np.einsum("thd,shd->hts", q, k) / np.sqrt(d)
-        s = np.where(causal[None], s, -np.inf)
-        pr = np.exp(s - s.max(-1, keepdims=True))
-        pr /= pr.sum(-1, keepdims=True)
-        a = np.einsum("hts,shd->thd", pr, v).reshape(t, e)
-        x = x + a @ w[p + "attn_output.weight"].T
-        h = norm(x, w[p + "ffn_norm.weight"])
+        h = rms_norm(x, w[p + "attn_norm.weight"], eps)
+        # llama.cpp's "normal" RoPE mode rotates pairs (2j, 2j+1) of the permuted q/k
+        q = rope_pairs((h @ w[p + "attn_q.weight"].T).reshape(1, t, n_head, d), pos, theta)
+        k = rope_pairs((h @ w[p + "attn_k.weight"].T).reshape(1, t, n_kv, d), pos, theta)
+        v = (h @ w[p + "attn_v.weight"].T).reshape(1, t, n_kv, d)
+        x = x + causal_attention(q, k, v).reshape(1, t, e) @ w[p + "attn_output.weight"].T
+        h = rms_norm(x, w[p + "ffn_norm.weight"], eps)
         g, u = h @ w[p + "ffn_gate.weight"].T, h @ w[p + "ffn_up.weight"].T
-        x = x + (g / (1 + np.exp(-g)) * u) @ w[p + "ffn_down.weight"].T
-    x = norm(x, w["output_norm.weight"])
+        x = x + (silu(g) * u) @ w[p + "ffn_down.weight"].T
+    x = rms_norm(x[0], w["output_norm.weight"], eps)
     return x @ w.get("output.weight", emb).T
 
 
