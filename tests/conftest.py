@@ -23,6 +23,12 @@ given in the environment is used instead and kept). The CLI's own cache in the m
 directory (`lookahead_jax.decode.enable_compile_cache`) then stays out of the tests, so no run
 reuses programs compiled by an earlier one.
 
+Heaviest files first: with `-n 2 --dist loadfile` each process takes the next whole file when it
+nears the end of its current one, so a long file taken last leaves the other process idle for
+most of its run. `HEAVY_FIRST` (the files that take longest in CI, longest first) are collected
+first and handed out in that order (pytest-xdist's own reordering, by test count, is switched
+off); the rest follow in their usual order.
+
 Freeing compiled programs: one pytest process compiles several hundred XLA programs; each
 keeps its machine code mapped in memory for as long as something references it. Clearing JAX's
 caches and collecting the module's engines after every module keeps the process far below the
@@ -46,6 +52,24 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+
+# the files that take longest in CI, longest first (the 8-device reruns use both cores)
+HEAVY_FIRST = ("test_mesh.py", "test_parallel.py", "test_sampling_generations.py",
+               "test_loopahead.py", "test_mesh_memory.py", "test_multihost.py",
+               "test_loopahead_sampling.py", "test_registry.py", "test_loopspec.py",
+               "test_golden_ids.py", "test_suite.py", "test_serve.py", "test_families.py",
+               "test_slots.py", "test_roofline.py", "test_prompt_lookup.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the collection's order
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
 
 
 def pytest_unconfigure(config):
