@@ -16,6 +16,7 @@ Pinned there:
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -214,10 +215,14 @@ def markov():
 
 
 @pytest.fixture(scope="module")
-def real_t1(markov):
-    """The real method's temperature-1 run, made once for the distribution and fault tests."""
-    return _markov_run(markov[1], ParallelLookahead(sampling("t1"), config=MARKOV_CFG,
-                                                    devices=DEVICES))
+def real_runs(markov):
+    """setting -> the real method's run, made once: the distribution test and the planted-fault
+    test check the same temperature-1 run."""
+    @functools.lru_cache(maxsize=None)
+    def run(setting: str):
+        return _markov_run(markov[1], ParallelLookahead(sampling(setting), config=MARKOV_CFG,
+                                                        devices=DEVICES))
+    return run
 
 
 def _markov_run(engine, method):
@@ -230,22 +235,20 @@ def _markov_run(engine, method):
 @needs8
 @pytest.mark.parametrize("setting", [pytest.param(s, marks=[pytest.mark.slow] if s != "t1" else [])
                                      for s in SETTINGS])  # top-k, top-p: slow (CI's time)
-def test_sampling_whole_generations_follow_the_exact_distribution(markov, real_t1, setting):
+def test_sampling_whole_generations_follow_the_exact_distribution(markov, real_runs, setting):
     """Lookahead parallelism on 8 devices, sampling 3,000 rows of 10 tokens from the Markov
     Llama: every position, adjacent pair and neighbouring-row pair follows the exact
     distribution (the family threshold of test_sampling_generations)."""
-    model, engine = markov
-    s = sampling(setting)
-    tokens, share = (real_t1 if setting == "t1" else
-                     _markov_run(engine, ParallelLookahead(s, config=MARKOV_CFG, devices=DEVICES)))
-    checks = exact_checks(tokens, transition(model, s))
+    model, _ = markov
+    tokens, share = real_runs(setting)
+    checks = exact_checks(tokens, transition(model, sampling(setting)))
     print("\n" + report(f"parallel/{setting}", checks, f"(accepting {share:.2f})"))
     assert worst(checks).p > threshold(checks), report(f"parallel/{setting}", checks)
     assert 0.4 < share < 0.97
 
 
 @needs8
-def test_sampling_planted_faults_of_later_steps_are_caught(markov, real_t1):
+def test_sampling_planted_faults_of_later_steps_are_caught(markov, real_runs):
     model, engine = markov
     s = sampling("t1")
     faults = {"reused key": Fault(reuse_key=True),
@@ -255,7 +258,7 @@ def test_sampling_planted_faults_of_later_steps_are_caught(markov, real_t1):
     method = ParallelLookahead(s, config=MARKOV_CFG, devices=DEVICES)
     assert method.verifier is sampling_verdict
     make = planted(method, faults)
-    real, _ = real_t1
+    real, _ = real_runs("t1")
     none, _ = _markov_run(engine, make("none"))
     np.testing.assert_array_equal(none, real)
     p = transition(model, s)
