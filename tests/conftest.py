@@ -16,10 +16,11 @@ explicit precision, e.g. the kernel's bfloat16 dots, is unaffected).
 
 One compilation cache for the whole run: most of the suite's time is XLA compiling programs,
 and tests in different files (on pytest-xdist's two processes, and in the child processes that
-rerun a file on 8 CPU devices) compile many of the same programs again. The run keeps its
-compiled programs in a temporary directory (JAX_COMPILATION_CACHE_DIR, set here before jax is
-imported so the worker and child processes inherit it; removed when the run ends; a directory
-given in the environment is used instead and kept). The CLI's own cache in the model cache
+rerun a file on 8 CPU devices) compile many of the same programs again. The run keeps all its
+compiled programs, the small ones too (model initialisation's eager ops), in a temporary
+directory (JAX_COMPILATION_CACHE_DIR, set here before jax is imported so the worker and child
+processes inherit it; removed when the run ends; a directory given in the environment is used
+instead and kept). The CLI's own cache in the model cache
 directory (`lookahead_jax.decode.enable_compile_cache`) then stays out of the tests, so no run
 reuses programs compiled by an earlier one.
 
@@ -48,7 +49,7 @@ _RUN_CACHE = None
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     _RUN_CACHE = tempfile.mkdtemp(prefix="lookahead_jax_tests_xla_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_CACHE
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
