@@ -20,9 +20,9 @@ rerun a file on 8 CPU devices) compile many of the same programs again. The run 
 compiled programs, the small ones too (model initialisation's eager ops), in a temporary
 directory (JAX_COMPILATION_CACHE_DIR, set here before jax is imported so the worker and child
 processes inherit it; removed when the run ends; a directory given in the environment is used
-instead and kept). The CLI's own cache in the model cache
-directory (`lookahead_jax.decode.enable_compile_cache`) then stays out of the tests, so no run
-reuses programs compiled by an earlier one.
+instead and kept). The CLI's own cache in the model cache directory
+(`lookahead_jax.decode.enable_compile_cache`) then stays out of the tests, so no run reuses
+programs compiled by an earlier one.
 
 Heaviest files first: with `-n 2 --dist loadfile` each process takes the next whole file when it
 nears the end of its current one, so a long file taken last leaves the other process idle for
