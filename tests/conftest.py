@@ -14,7 +14,7 @@ on a TPU, which perturb logits enough to flip near-tied greedy choices and excee
 tolerances. So on any backend but CPU every test runs with "highest" matmul precision (an
 explicit precision, e.g. the kernel's bfloat16 dots, is unaffected).
 
-One compilation cache for the whole run: most of the suite's time is XLA compiling programs,
+One compilation cache for the whole run: much of the suite's time is XLA compiling programs,
 and tests in different files (on pytest-xdist's two processes, and in the child processes that
 rerun a file on 8 CPU devices) compile many of the same programs again. The run keeps all its
 compiled programs, the small ones too (model initialisation's eager ops), in a temporary
