@@ -75,17 +75,20 @@ def test_native_only_equals_plain(engine, plain, kw):
     assert res.stats.extra["loops_per_token"] < engine.config.num_loops
 
 
-def untrained(cfg, head: str = "vocab") -> LadDrafter:
+def untrained(cfg, head: str = "vocab", arch: str = "heads") -> LadDrafter:
     net = LookaheadDrafter(DrafterShape(cfg.hidden_size, cfg.vocab_size, 32, 1, 2, 3, 50,
-                                        head=head), rngs=nnx.Rngs(0))
+                                        head=head, arch=arch), rngs=nnx.Rngs(0))
     return LadDrafter(net, np.arange(0, 97, 2)[:50])
 
 
-@pytest.mark.parametrize("head", ["vocab", "model"])
-def test_untrained_drafter_equals_plain(engine, plain, head):
-    """Head "model" also drafts from the request's own tokens (prompt, outputs, EOS)."""
-    res = run(engine, LoopAhead(r1=1, r2=2, drafter=untrained(engine.config, head), window=8))
+@pytest.mark.parametrize("head,arch", [("vocab", "heads"), ("model", "queries")])
+def test_untrained_drafter_equals_plain(engine, plain, head, arch):
+    """Head "model" also drafts from the request's own tokens (prompt, outputs, EOS); arch
+    "queries" is the paper's drafter (K future query positions)."""
+    drafter = untrained(engine.config, head, arch)
+    res = run(engine, LoopAhead(r1=1, r2=2, drafter=drafter, window=8))
     assert res.tokens == plain
+    assert res.stats.extra["drafter_arch"] == arch
 
 
 def test_request_tokens():

@@ -32,7 +32,8 @@ CFG = lad_config.LadConfig(
     name="test", model_preset="tiny_ouro", model_family="ouro", model_hidden=32,
     model_vocab=97, model_loops=3, draft_depth=1, K=2, hidden_size=32, num_layers=1,
     num_heads=2, draft_vocab=64, prompt_len=6, continuation=10, num_train=24, num_dev=8,
-    num_confirm=8, prompt_source="random", batch_size=8, steps=8, eval_every=4, lr=3e-3)
+    num_confirm=8, prompt_source="random", batch_size=8, steps=8, eval_every=4, lr=3e-3,
+    arch="heads")  # (test_the_papers_drafter_trains trains the paper's "queries")
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +133,8 @@ def test_train_select_resume(model, tmp_path):
     assert "confirm_accepted_prefix" in full
     # the run wrote the selected drafter as a drafter file, which decoding loads
     drafter = LadDrafter.load(tmp_path / "full", model.config)
-    assert (drafter.K, drafter.head, drafter.draft_depth) == (2, "vocab", 1)
+    assert (drafter.K, drafter.head, drafter.arch, drafter.draft_depth) == (2, "vocab",
+                                                                             "heads", 1)
     assert len(drafter.params["vocab"]) <= 64
     # the reported dev figure is the best one logged, and the file's drafter's, recomputed
     # independently (the file holds the selected checkpoint)
@@ -178,18 +180,19 @@ def test_train_select_resume(model, tmp_path):
     assert _drafts(LadDrafter.load(tmp_path / "full")).tolist() == _drafts(drafter).tolist()
 
 
-@pytest.mark.parametrize("head", ["vocab", "model"])
-def test_drafter_file_round_trip(tmp_path, head):
+@pytest.mark.parametrize("head,arch", [("vocab", "heads"), ("model", "heads"),
+                                       ("model", "queries")])
+def test_drafter_file_round_trip(tmp_path, head, arch):
     """save_drafter_file then load_drafter_file (or LadDrafter.load of the file): the same
-    parameters, vocabulary and depth, so the same drafts."""
+    parameters, vocabulary, arch and depth, so the same drafts."""
     shape = DrafterShape(state_size=32, vocab_size=97, hidden_size=32, num_layers=2,
-                         num_heads=2, K=3, draft_vocab=40, head=head)
+                         num_heads=2, K=3, draft_vocab=40, head=head, arch=arch)
     vocab = np.sort(np.random.default_rng(1).choice(97, 40, replace=False)).astype(np.int32)
     net = LookaheadDrafter(shape, rngs=nnx.Rngs(5))
     path = tmp_path / "d.safetensors"
     save_drafter_file(path, net, vocab, draft_depth=2, model_family="ouro", model_loops=3)
     got = load_drafter_file(path, CONFIGS["ouro"])
-    assert (got.K, got.head, got.draft_depth) == (3, head, 2)
+    assert (got.K, got.head, got.arch, got.draft_depth) == (3, head, arch, 2)
     assert np.asarray(got.params["vocab"]).tolist() == vocab.tolist()
     for a, b in zip(jax.tree.leaves(nnx.state(net)), jax.tree.leaves(got.params["net"])):
         np.testing.assert_array_equal(a, b)
@@ -236,6 +239,17 @@ def test_drafter_file_refuses_another_model_and_a_damaged_file(tmp_path):
     save_file(tensors, tmp_path / "bad.safetensors", metadata=meta)
     with pytest.raises(ConfigError, match="missing: state_proj.kernel"):
         load_drafter_file(tmp_path / "bad.safetensors")
+    # a file written before the "queries" arch (no arch metadata) holds a "heads" drafter
+    old = {k: v for k, v in meta.items() if k != "arch"}
+    save_file(load_file(path), tmp_path / "old.safetensors", metadata=old)
+    assert load_drafter_file(tmp_path / "old.safetensors").arch == "heads"
+    save_file(load_file(path), tmp_path / "bad.safetensors", metadata={**meta, "arch": "tree"})
+    with pytest.raises(ConfigError, match="metadata arch is 'tree'"):
+        load_drafter_file(tmp_path / "bad.safetensors")
+    save_file(load_file(path), tmp_path / "other.safetensors",
+              metadata={**meta, "arch": "queries"})  # a heads file that says queries
+    with pytest.raises(ConfigError, match="missing: query_embed, query_head"):
+        load_drafter_file(tmp_path / "other.safetensors")
     save_file(load_file(path), tmp_path / "nometa.safetensors")
     with pytest.raises(ConfigError, match="format"):
         load_drafter_file(tmp_path / "nometa.safetensors")
@@ -275,6 +289,33 @@ def test_mismatched_model_is_refused(model, tmp_path):
     assert base_fingerprint(other) != base_fingerprint(model)
     with pytest.raises(ConfigError, match="another looped model"):
         run(CFG, tmp_path / "x", model=other, progress_bar=False, log=lambda m: None)
+    # ... and a drafter of another arch (its checkpoints would not fit)
+    with pytest.raises(ConfigError, match="arch = 'heads', this one 'queries'"):
+        run(dataclasses.replace(CFG, steps=4, arch="queries"), tmp_path / "x", model=model,
+            progress_bar=False, log=lambda m: None)
+
+
+def test_the_papers_drafter_trains(model, tmp_path):
+    """arch "queries" (K future query positions, the LAD default) through train_lad: the loss
+    falls, the drafter file says its arch, and decoding's drafts are the argmax of its last
+    position's query outputs."""
+    cfg = dataclasses.replace(CFG, arch="queries")
+    run(cfg, tmp_path / "q", model=model, progress_bar=False, log=lambda m: None)
+    losses = _losses(tmp_path / "q")
+    assert losses[8] < losses[1]
+    drafter = LadDrafter.load(tmp_path / "q", model.config)
+    assert drafter.arch == "queries" and drafter.K == 2
+    net = nnx.merge(drafter.graphdef, drafter.params["net"])
+    rng = np.random.default_rng(0)
+    b, w = 4, 6
+    states = jnp.asarray(rng.normal(size=(b, w, CFG.model_hidden)), jnp.float32)
+    anchors = jnp.asarray(rng.integers(0, 97, (b, w)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((w, w), bool)), (b, w, w))
+    want = np.asarray(drafter.params["vocab"])[
+        np.asarray(net.features(states, anchors, pos, mask)[:, -1].argmax(-1))]
+    got = drafter.draft(drafter.params, states, anchors, pos, mask)
+    assert np.asarray(got).tolist() == want.tolist()
 
 
 def test_model_head_scores_the_request_tokens(model, tmp_path):
@@ -336,13 +377,15 @@ def test_shipped_lad_configs_match_their_presets(name):
         lad_config.check_base_model(cfg, load_preset(other).model, other)
 
 
-@pytest.mark.parametrize("layers,head", [(1, "vocab"), (2, "model")])
-def test_last_only_features_equal_the_full_pass_at_the_last_position(layers, head):
-    """Decoding asks for the last position's drafts only; the shortcut (the last layer's
-    queries and MLP for that position alone) gives the full pass's values there, with a
-    window mask that hides some positions."""
+@pytest.mark.parametrize("layers,head,arch", [(1, "vocab", "heads"), (2, "model", "heads"),
+                                              (1, "vocab", "queries"), (2, "model", "queries")])
+def test_last_only_features_equal_the_full_pass_at_the_last_position(layers, head, arch):
+    """Decoding asks for the last position's drafts only; the shortcut (heads: the last
+    layer's queries and MLP for that position alone; queries: that position's K query
+    positions alone) gives the full pass's values there, with a window mask that hides some
+    positions."""
     shape = DrafterShape(state_size=24, vocab_size=50, hidden_size=32, num_layers=layers,
-                         num_heads=2, K=3, draft_vocab=40, head=head)
+                         num_heads=2, K=3, draft_vocab=40, head=head, arch=arch)
     net = LookaheadDrafter(shape, rngs=nnx.Rngs(1))
     rng = np.random.default_rng(0)
     b, t = 2, 7
@@ -356,3 +399,32 @@ def test_last_only_features_equal_the_full_pass_at_the_last_position(layers, hea
     last = net.features(states, anchors, positions, mask, last_only=True)
     assert last.shape == (b, 1, 3, full.shape[-1])
     np.testing.assert_allclose(last[:, 0], full[:, -1], rtol=2e-5, atol=2e-5)
+
+
+def test_query_drafts_see_their_context_and_earlier_queries_only():
+    """Arch "queries": the K drafts of position t, from the whole sequence's training pass,
+    equal those of the sequence cut after t (they see no later context, nor another
+    position's queries); the k-th draft does not change when a later query's embedding does,
+    and does when an earlier one's does."""
+    shape = DrafterShape(state_size=24, vocab_size=50, hidden_size=32, num_layers=2,
+                         num_heads=2, K=3, draft_vocab=40, arch="queries")
+    net = LookaheadDrafter(shape, rngs=nnx.Rngs(2))
+    rng = np.random.default_rng(3)
+    b, t = 2, 6
+    states = jnp.asarray(rng.normal(size=(b, t, 24)), jnp.float32)
+    anchors = jnp.asarray(rng.integers(0, 50, (b, t)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    full = net.features(states, anchors, positions, mask)
+    for u in range(1, t + 1):
+        cut = net.features(states[:, :u], anchors[:, :u], positions[:, :u], mask[:, :u, :u],
+                           last_only=True)
+        np.testing.assert_allclose(cut[:, 0], full[:, u - 1], rtol=2e-5, atol=2e-5)
+    q = net.query_embed.get_value()
+    net.query_embed.set_value(q.at[2].add(1.0))  # the last query's input
+    moved = net.features(states, anchors, positions, mask)
+    np.testing.assert_allclose(moved[:, :, :2], full[:, :, :2], rtol=2e-5, atol=2e-5)
+    assert float(jnp.abs(moved[:, :, 2] - full[:, :, 2]).max()) > 1e-3
+    net.query_embed.set_value(q.at[0].add(1.0))  # the first query's input reaches them all
+    moved = net.features(states, anchors, positions, mask)
+    assert (jnp.abs(moved - full).max(axis=(0, 1, 3)) > 1e-3).all()

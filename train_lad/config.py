@@ -21,7 +21,10 @@ class LadConfig:
     model's states at loop `draft_depth` plus the anchor token; K tokens after the anchor over
     a draft vocabulary of `draft_vocab` tokens, scored by the drafter's own matrix
     (`head="vocab"`) or by the looped model's output embedding (`head="model"`: the draft
-    vocabulary then grows at inference with the prompt's tokens, EOS and the outputs). Data:
+    vocabulary then grows at inference with the prompt's tokens, EOS and the outputs), read
+    from K future query positions processed with the context (`arch="queries"`, the paper's
+    drafter) or from K linear heads on the drafting position (`arch="heads"`, the ablation).
+    Data:
     `prompt_len`-token prompts, each with the model's own full-depth greedy continuation of
     `continuation` tokens; `num_train` / `num_dev` / `num_confirm` prompts per split. The
     model's shape fields (`model_family` ... `model_loops`): `for_preset` takes them from the
@@ -41,6 +44,7 @@ class LadConfig:
     num_heads: int = 8
     draft_vocab: int = 1024
     head: str = "vocab"  # "vocab" | "model": the output head (lookahead_jax.looped.drafter)
+    arch: str = "queries"  # "queries" (the paper's: K future query positions) | "heads"
     prompt_len: int = 48
     continuation: int = 32
     num_train: int = 512
@@ -66,6 +70,8 @@ class LadConfig:
             raise ConfigError(f"lad config {self.name}: continuation must exceed K + 1")
         if self.head not in ("vocab", "model"):
             raise ConfigError(f"lad config {self.name}: head must be vocab or model")
+        if self.arch not in ("queries", "heads"):
+            raise ConfigError(f"lad config {self.name}: arch must be queries or heads")
         if self.prompt_source not in ("corpus", "random"):
             raise ConfigError(f"lad config {self.name}: prompt_source must be corpus or random")
 

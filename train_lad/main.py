@@ -1,6 +1,7 @@
 """Train a lookahead drafter (LAD) for a frozen looped model:
 
     python -m train_lad.main --config=tiny_ouro [--workdir=...] [--steps=...] [--ckpt=...]
+                             [--arch=queries|heads]
 
 Steps: load the looped model named by the config (refused, with the field named, when its
 shape differs from the config's), build the data once (`train_lad.data`: prompts, the model's
@@ -45,6 +46,9 @@ def define_flags() -> None:
                         "$LOOKAHEAD_JAX_CACHE/train_lad/<config>).")
     flags.DEFINE_string("ckpt", None, "Looped-model checkpoint overriding the config's.")
     flags.DEFINE_integer("steps", None, "Optimizer steps (overrides the config).")
+    flags.DEFINE_enum("arch", None, ["queries", "heads"], "The drafter's arch, overriding the "
+                      "config's: queries (the paper's K future query positions) or heads (K "
+                      "linear heads on the last position, the ablation).")
 
 
 def base_fingerprint(model) -> dict:
@@ -113,6 +117,25 @@ def build_data(cfg: lad_config.LadConfig, model, tokenizer, workdir: pathlib.Pat
     return data, vocab
 
 
+# the settings a workdir's checkpoints and data depend on: another value needs a fresh workdir
+DRAFTER_SETTINGS = ("arch", "head", "K", "hidden_size", "num_layers", "num_heads", "draft_vocab",
+                    "draft_depth", "prompt_len", "continuation", "num_train", "num_dev",
+                    "num_confirm", "prompt_source", "seed")
+
+
+def check_drafter_settings(cfg: lad_config.LadConfig, workdir: pathlib.Path) -> None:
+    """Refuses a workdir whose run (its `lad_config.json`) had other drafter or data settings
+    than cfg's: its checkpoints would not fit this drafter, or its data this run."""
+    path = workdir / "lad_config.json"
+    if not path.exists():
+        return
+    before = json.loads(path.read_text())
+    for field in DRAFTER_SETTINGS:
+        if field in before and before[field] != getattr(cfg, field):
+            raise ConfigError(f"{workdir}: its run had {field} = {before[field]!r}, this one "
+                              f"{getattr(cfg, field)!r}; use a fresh workdir")
+
+
 def run(cfg: lad_config.LadConfig, workdir, *, ckpt: str | None = None, log=print,
         progress_bar: bool = True, model=None, tokenizer=None,
         max_steps_now: int | None = None) -> dict:
@@ -125,6 +148,7 @@ def run(cfg: lad_config.LadConfig, workdir, *, ckpt: str | None = None, log=prin
     workdir.mkdir(parents=True, exist_ok=True)
     fingerprint = base_fingerprint(model)
     check_workdir(workdir, fingerprint)  # before the data are rebuilt for another model
+    check_drafter_settings(cfg, workdir)
     data, vocab = build_data(cfg, model, tokenizer, workdir, fingerprint, log)
     (workdir / "lad_config.json").write_text(json.dumps(
         {**dataclasses.asdict(cfg), "base": fingerprint}, indent=1) + "\n")
@@ -147,6 +171,8 @@ def main(argv) -> int:
         cfg = lad_config.get(FLAGS.config)
         if FLAGS.steps is not None:
             cfg = dataclasses.replace(cfg, steps=FLAGS.steps)
+        if FLAGS.arch is not None:
+            cfg = dataclasses.replace(cfg, arch=FLAGS.arch)
         workdir = FLAGS.workdir or os.path.join(default_cache_dir(), "train_lad", cfg.name)
         run(cfg, workdir, ckpt=FLAGS.ckpt, log=lambda m: print(m, file=sys.stderr))
     except ConfigError as e:

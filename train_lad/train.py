@@ -41,7 +41,7 @@ def drafter_shape(cfg: LadConfig, draft_vocab: int) -> DrafterShape:
     return DrafterShape(state_size=cfg.model_hidden, vocab_size=cfg.model_vocab,
                         hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                         num_heads=cfg.num_heads, K=cfg.K, draft_vocab=draft_vocab,
-                        head=cfg.head)
+                        head=cfg.head, arch=cfg.arch)
 
 
 def targets(tokens: jax.Array, native: jax.Array, table: jax.Array, prompt_len: int, K: int

@@ -7,6 +7,16 @@ t + 1, the argmax of its readout at that depth). Output at t: K distributions ov
 vocabulary for tokens t + 2 .. t + K + 1 (the K tokens after the anchor). Causal, so one pass
 over a sequence trains (or drafts at) every position.
 
+Two ways to make the K drafts (`DrafterShape.arch`):
+
+- "queries" (the LoopAhead paper's drafter): K future query positions follow the drafting
+  position, each a learned query embedding at position t + 1 + k (k = 1..K); the causal
+  transformer processes the context and the queries together, query k attending the context
+  up to t and queries 1..k, and one output head reads each query's final state as the draft
+  of token t + 1 + k. Training builds every position's K queries in one pass (a mask keeps
+  each position's queries to their own context); decoding builds the last position's.
+- "heads" (the ablation): K linear heads on the drafting position's own final state.
+
 Two output heads (`DrafterShape.head`):
 
 - "vocab": a trained matrix with one column per draft-vocabulary token. It has no logit for
@@ -23,7 +33,8 @@ The drafter file (`save_drafter_file` / `load_drafter_file`): one safetensors fi
 network's parameters by dotted path (`state_proj.kernel`, `layers.0.mlp.up_proj.kernel`, ...)
 and `draft_vocab` (int32 ids in the looped model's vocabulary). Metadata (strings): `format`
 (`lookahead_jax.drafter/1`), the network's shape (`state_size`, `vocab_size`, `hidden_size`,
-`num_layers`, `num_heads`, `K`, `head`) and the looped model it drafts for (`model_family`,
+`num_layers`, `num_heads`, `K`, `head`, `arch`; a file without `arch` holds a "heads"
+drafter) and the looped model it drafts for (`model_family`,
 `model_loops`, and `draft_depth`: the loop whose states feed it).
 """
 
@@ -44,6 +55,10 @@ from models.layers import RMSNorm, dot_product_attention, rope_cos_sin, rope_inv
 from models.llama import DecoderLayer
 
 
+HEADS = ("vocab", "model")
+ARCHS = ("heads", "queries")
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterShape:
     state_size: int  # the looped model's hidden size
@@ -54,6 +69,13 @@ class DrafterShape:
     K: int
     draft_vocab: int
     head: str = "vocab"  # "vocab" | "model" (see the module docstring)
+    arch: str = "heads"  # "heads" | "queries" (see the module docstring)
+
+    def __post_init__(self):
+        if self.head not in HEADS:
+            raise ConfigError(f"drafter head must be one of {', '.join(HEADS)}, got {self.head!r}")
+        if self.arch not in ARCHS:
+            raise ConfigError(f"drafter arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
 
     def block_config(self) -> LlamaConfig:
         return LlamaConfig(vocab_size=self.draft_vocab, hidden_size=self.hidden_size,
@@ -77,8 +99,14 @@ class LookaheadDrafter(nnx.Module):
                                 for _ in range(shape.num_layers)])
         self.norm = RMSNorm(shape.hidden_size, 1e-6, dtype=dtype)
         width = shape.draft_vocab if shape.head == "vocab" else shape.state_size
-        self.heads = nnx.Linear(shape.hidden_size, shape.K * width, dtype=dtype,
-                                param_dtype=dtype, rngs=rngs)
+        if shape.arch == "heads":
+            self.heads = nnx.Linear(shape.hidden_size, shape.K * width, dtype=dtype,
+                                    param_dtype=dtype, rngs=rngs)
+        else:  # "queries": the K future query positions' inputs, and one head for all
+            self.query_embed = nnx.Param(
+                nnx.initializers.normal(0.02)(rngs.params(), (shape.K, shape.hidden_size), dtype))
+            self.query_head = nnx.Linear(shape.hidden_size, width, dtype=dtype,
+                                         param_dtype=dtype, rngs=rngs)
 
     def features(self, states: jax.Array, anchors: jax.Array, positions: jax.Array,
                  mask: jax.Array, last_only: bool = False) -> jax.Array:
@@ -89,6 +117,8 @@ class LookaheadDrafter(nnx.Module):
         ([B,1,K,F], the same values): the last layer then computes only the other positions'
         K/V, not their queries, attention outputs and MLP (decoding drafts at one position)."""
         x = self.state_proj(self.state_norm(states)) + self.anchor_embed(anchors)
+        if self.shape.arch == "queries":
+            return self._query_features(x, positions, mask, last_only)
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.block_cfg))
         n_full = len(self.layers) - 1 if last_only else len(self.layers)
         for layer in list(self.layers)[:n_full]:
@@ -103,6 +133,40 @@ class LookaheadDrafter(nnx.Module):
                         dot_product_attention)
         b, t, _ = x.shape
         return self.heads(self.norm(x)).astype(jnp.float32).reshape(b, t, self.shape.K, -1)
+
+    def _query_features(self, x: jax.Array, positions: jax.Array, mask: jax.Array,
+                        last_only: bool) -> jax.Array:
+        """Arch "queries": x [B,T,H] the context's inputs. The drafting positions (every t, or
+        the last alone) each get K query positions; the sequence is [context | queries], query
+        (t, k) at position positions[t] + k attending what t attends (mask's row t) and the
+        queries (t, 1..k). Every layer but the last runs over the whole sequence; the last
+        computes the context's K/V only and runs the queries against them, as their cache."""
+        b, t, h = x.shape
+        K = self.shape.K
+        at = jnp.arange(t - 1, t) if last_only else jnp.arange(t)  # the drafting positions
+        n = at.shape[0] * K
+        q = jnp.broadcast_to(self.query_embed.get_value().astype(x.dtype)[None, None],
+                             (b, at.shape[0], K, h)).reshape(b, n, h)
+        q_pos = (positions[:, at, None] + jnp.arange(1, K + 1)[None, None]).reshape(b, n)
+        to_context = jnp.repeat(mask[:, at, :t], K, axis=1)  # [B,n,T]
+        i = jnp.arange(n)
+        own = i // K  # a query's drafting position: it sees that position's earlier queries
+        to_queries = (own[:, None] == own[None, :]) & (i[None] <= i[:, None])
+        to_queries = jnp.broadcast_to(to_queries[None], (b, n, n))
+        q_rows = jnp.concatenate([to_context, to_queries], axis=-1)  # [B,n,T+n]
+        c_rows = jnp.concatenate([mask[:, :, :t], jnp.zeros((b, t, n), bool)], axis=-1)
+        inv = rope_inv_freq(self.block_cfg)
+        seq = jnp.concatenate([x, q], axis=1)
+        cos, sin = rope_cos_sin(jnp.concatenate([positions, q_pos], axis=1), inv)
+        full_mask = jnp.concatenate([c_rows, q_rows], axis=1)
+        for layer in list(self.layers)[:-1]:
+            seq, _ = layer(seq, cos, sin, full_mask, None, None, dot_product_attention)
+        last = self.layers[len(self.layers) - 1]
+        k, v = last.self_attn.key_value(last.input_layernorm(seq[:, :t]), cos[:, :t], sin[:, :t])
+        k, v = (a.transpose(0, 2, 1, 3) for a in (k, v))  # the context's K/V as the cache
+        out, _ = last(seq[:, t:], cos[:, t:], sin[:, t:], q_rows, k, v, dot_product_attention)
+        f = self.query_head(self.norm(out)).astype(jnp.float32)
+        return f.reshape(b, at.shape[0], K, -1)
 
     def __call__(self, states: jax.Array, anchors: jax.Array, positions: jax.Array,
                  mask: jax.Array, out_emb: jax.Array | None = None) -> jax.Array:
@@ -146,6 +210,7 @@ class LadDrafter:
         self.params = {"net": params, "vocab": jnp.asarray(draft_vocab, jnp.int32)}
         self.K = model.shape.K
         self.head = model.shape.head
+        self.arch = model.shape.arch
         self.draft_depth = int(draft_depth)
 
     def draft(self, params, states, anchors, positions, mask, *, extra_ids=None,
@@ -229,7 +294,7 @@ def save_drafter_file(path, net: LookaheadDrafter, draft_vocab, *, draft_depth: 
                for p, v in nnx.to_flat_state(nnx.state(net, nnx.Param))}
     tensors[VOCAB_TENSOR] = vocab.astype(np.int32)
     meta = {"format": DRAFTER_FORMAT, **{k: str(getattr(shape, k)) for k in _SHAPE_META},
-            "head": shape.head, "draft_depth": str(int(draft_depth)),
+            "head": shape.head, "arch": shape.arch, "draft_depth": str(int(draft_depth)),
             "model_family": str(model_family), "model_loops": str(int(model_loops))}
     path = os.fspath(path)
     tmp = f"{path}.tmp"
@@ -263,9 +328,13 @@ def load_drafter_file(path, model_config=None) -> LadDrafter:
         except (KeyError, ValueError):
             raise ConfigError(f"drafter file {path}: metadata {k} is {meta.get(k)!r}, expected "
                               f"an integer") from None
-    if meta.get("head") not in ("vocab", "model"):
+    if meta.get("head") not in HEADS:
         raise ConfigError(f"drafter file {path}: metadata head is {meta.get('head')!r}, "
                           f"expected 'vocab' or 'model'")
+    arch = meta.get("arch", "heads")  # files written before the "queries" drafter
+    if arch not in ARCHS:
+        raise ConfigError(f"drafter file {path}: metadata arch is {arch!r}, expected "
+                          f"'heads' or 'queries'")
     if not meta.get("model_family"):
         raise ConfigError(f"drafter file {path}: no metadata model_family")
     if not 1 <= ints["draft_depth"] < ints["model_loops"]:
@@ -281,7 +350,7 @@ def load_drafter_file(path, model_config=None) -> LadDrafter:
         check_drafter_fits(path, meta["model_family"], ints["state_size"], ints["vocab_size"],
                            ints["draft_depth"], model_config)
     shape = DrafterShape(**{k: ints[k] for k in _SHAPE_META}, draft_vocab=len(vocab),
-                         head=meta["head"])
+                         head=meta["head"], arch=arch)
     abstract = nnx.eval_shape(lambda: LookaheadDrafter(shape, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     want = {_tensor_name(p): (p, v) for p, v in nnx.to_flat_state(state)}

@@ -182,7 +182,9 @@ class LoopAhead(TreeMethod):
     def summary(self, state: LoopAheadState) -> dict:
         st = loop_summary(state.stats)
         st["drafter_accepted"] = st.pop("second_draft_accepted")
-        return {"r1": self.r1, "r2": self.r2, "K": self.K, "scheduling": self.scheduling,
+        arch = getattr(self.drafter, "arch", None)  # a LadDrafter's: "queries" | "heads"
+        return {"r1": self.r1, "r2": self.r2, "K": self.K, "drafter_arch": arch,
+                "scheduling": self.scheduling,
                 "capacity": state.tree.capacity, **st}
 
     # -- one step ---------------------------------------------------------------------------
