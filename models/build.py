@@ -13,12 +13,13 @@ from models.config import ConfigError, LoopedConfig
 from models.looped import LoopedLM
 from models.ouro import OuroLM
 from models.raven import RavenLM
+from models.recursive import RecursiveLM
 
-LOOPED_CLASSES: dict[str, type[LoopedLM]] = {cls.family: cls for cls in (OuroLM, RavenLM)}
+LOOPED_CLASSES: dict[str, type[LoopedLM]] = {cls.family: cls for cls in (OuroLM, RavenLM, RecursiveLM)}
 
 
 def build_looped(cfg: LoopedConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> LoopedLM:
-    """The looped model of `cfg.family` (an `OuroLM` or a `RavenLM`), parameters of `dtype`
+    """The looped model of `cfg.family` (an `OuroLM`, `RavenLM` or `RecursiveLM`), parameters of `dtype`
     drawn from `rngs`."""
     try:
         cls = LOOPED_CLASSES[cfg.family]

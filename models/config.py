@@ -157,18 +157,20 @@ class LlamaConfig:
         return tuple(i for i, t in enumerate(self.layer_kinds) if t == "sliding")
 
 
-FAMILIES = ("ouro", "raven")  # looped-model families
-# Hugging Face `model_type` of a looped checkpoint -> its family
-HF_MODEL_TYPES = {"ouro": "ouro", "huginn_raven": "raven"}
+FAMILIES = ("ouro", "raven", "recursive")  # looped-model families
+# Hugging Face `model_type` of a looped checkpoint -> its family ("recursive_llama": our own
+# format, `models.recursive`)
+HF_MODEL_TYPES = {"ouro": "ouro", "huginn_raven": "raven", "recursive_llama": "recursive"}
 
 
 @dataclasses.dataclass(frozen=True)
 class LoopedConfig:
     """Static shape of a looped model. Hashable, so it can be a jit static argument.
 
-    family: "ouro" | "raven". num_loops: R, the full depth.
+    family: "ouro" | "raven" | "recursive". num_loops: R, the full depth.
     ouro: num_layers = the shared stack run once per loop (prelude/core/coda must be 0).
-    raven: prelude_layers, core_layers (the recurrent block), coda_layers (num_layers 0).
+    raven, recursive: prelude_layers, core_layers (the recurrent block), coda_layers
+    (num_layers 0).
     embed_scale / state_std: 0 means the family's default (raven: sqrt(hidden) and
     sqrt(2 / (5 hidden)); ouro: 1 and unused). noise_seed: the default seed of Raven's initial
     state (see `models.raven`).
@@ -210,6 +212,7 @@ class LoopedConfig:
         if self.head_dim == 0 and self.num_heads > 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         raven = self.family == "raven"
+        staged = self.family in ("raven", "recursive")  # prelude, core block, coda
         if self.embed_scale == 0:
             scale = math.sqrt(self.hidden_size) if raven and self.hidden_size > 0 else 1.0
             object.__setattr__(self, "embed_scale", scale)
@@ -217,19 +220,21 @@ class LoopedConfig:
             object.__setattr__(self, "state_std", math.sqrt(2 / (5 * self.hidden_size)))
         object.__setattr__(self, "eos_token_ids", tuple(int(e) for e in self.eos_token_ids))
         needed = ["vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
-                  "head_dim", "num_loops", "num_layers" if not raven else "core_layers"]
+                  "head_dim", "num_loops", "num_layers" if not staged else "core_layers"]
         for name in needed:
             if getattr(self, name) <= 0:
                 raise ConfigError(
                     f"model config: {name} must be positive, got {getattr(self, name)}")
-        if raven:
+        if staged:
             for name in ("prelude_layers", "coda_layers"):
                 if getattr(self, name) < 0:
                     raise ConfigError(
                         f"model config: {name} must be >= 0, got {getattr(self, name)}")
             if self.num_layers:
-                raise ConfigError("model config: raven uses prelude_layers/core_layers/coda_layers, "
-                                  f"not num_layers (got num_layers={self.num_layers})")
+                raise ConfigError(f"model config: {self.family} uses prelude_layers/core_layers/"
+                                  f"coda_layers, not num_layers (got num_layers={self.num_layers})")
+            if self.qk_bias and not raven:
+                raise ConfigError(f"model config: {self.family} has no qk_bias")
             if self.qk_bias and self.num_kv_heads != self.num_heads:
                 raise ConfigError(f"model config: raven qk_bias needs num_kv_heads == num_heads, "
                                   f"got {self.num_kv_heads} and {self.num_heads}")
@@ -247,7 +252,7 @@ class LoopedConfig:
     # -- derived shape --------------------------------------------------------------------------
     @property
     def loop_layers(self) -> int:
-        """Layers of the recurrent block (ouro: num_layers; raven: core_layers)."""
+        """Layers of the recurrent block (ouro: num_layers; raven, recursive: core_layers)."""
         return self.num_layers if self.family == "ouro" else self.core_layers
 
     @property
@@ -257,7 +262,7 @@ class LoopedConfig:
 
     @property
     def coda_slot0(self) -> int:
-        """Cache slot of Raven's coda at readout depth 1, layer 0."""
+        """Cache slot of the coda (Raven, recursive) at readout depth 1, layer 0."""
         return self.prelude_layers + self.num_loops * self.loop_layers
 
     @property
@@ -268,7 +273,8 @@ class LoopedConfig:
     # -- Hugging Face ---------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "LoopedConfig":
-        """Builds a config from a Hugging Face `config.json` dict: Ouro (`model_type` "ouro",
+        """Builds a config from a Hugging Face `config.json` dict: our recursive Llama
+        (`model_type` "recursive_llama", `_from_hf_recursive`), Ouro (`model_type` "ouro",
         OuroConfig fields, `total_ut_steps` loops) or Huginn/Raven (`model_type` "huginn_raven",
         RavenConfig fields: n_embd, n_heads, n_layers_in_prelude / _recurrent_block / _coda,
         mean_recurrence loops, rope_base, norm_eps, tie_embeddings, qk_bias, and
@@ -284,6 +290,8 @@ class LoopedConfig:
                           eos_token_ids=hf_eos_ids(hf))
             if arch == "ouro":
                 return cls._from_hf_ouro(hf, common)
+            if arch == "recursive_llama":
+                return cls._from_hf_recursive(hf, common)
             return cls._from_hf_raven(hf, common)
         except KeyError as e:
             raise ConfigError(f"config.json: missing field {e.args[0]!r}") from None
@@ -315,6 +323,25 @@ class LoopedConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=max_pos, **common)
+
+    @classmethod
+    def _from_hf_recursive(cls, hf: Mapping[str, Any], common: dict) -> "LoopedConfig":
+        """Our recursive Llama (`models.recursive`): LlamaConfig's field names plus
+        prelude_layers, core_layers, coda_layers and num_loops."""
+        if hf.get("rope_scaling"):
+            raise ConfigError(f"config.json: unsupported rope_scaling {hf['rope_scaling']!r}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"config.json: unsupported hidden_act {hf['hidden_act']!r}")
+        heads = int(hf["num_attention_heads"])
+        return cls(
+            family="recursive", hidden_size=int(hf["hidden_size"]), num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or 0), prelude_layers=int(hf["prelude_layers"]),
+            core_layers=int(hf["core_layers"]), coda_layers=int(hf["coda_layers"]),
+            num_loops=int(hf["num_loops"]), rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)), **common)
 
     @classmethod
     def _from_hf_raven(cls, hf: Mapping[str, Any], common: dict) -> "LoopedConfig":

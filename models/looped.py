@@ -194,6 +194,18 @@ class LoopedLM(nnx.Module):
         cfg = self.config
         return cfg.coda_slot0 + (depth - 1) * cfg.coda_layers
 
+    def run_coda(self, blocks, x, depth, positions, mask, cache, attention_fn):
+        """Runs the coda `blocks` over x at readout depth `depth` (1..R, one int or [B,T]), each
+        depth's own coda cache slots (Raven, recursive): x and the coda's K/V (None without
+        coda layers)."""
+        mask = default_mask(mask, positions)
+        cos, sin = self.rope(positions)
+        per_token = jnp.ndim(depth) > 0
+        d = jnp.asarray(depth, jnp.int32) - 1 if per_token else None
+        return self._stack(blocks, x, cos, sin, mask, cache,
+                           None if per_token else self.coda_slot(depth), d, attention_fn,
+                           self.config.coda_slot0, self.config.coda_layers)
+
     def _stack(self, blocks, x, cos, sin, mask, cache, slot0, depth, attention_fn,
                depth_slot0: int = 0, depth_stride: int = 0):
         """Runs `blocks` over x. depth None: layer l reads cache slot slot0 + l (int or traced)

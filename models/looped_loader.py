@@ -8,11 +8,14 @@ parameter path and says whether it is transposed; the reading itself (lazy, one 
 time, every shape checked) is `models.hf_loader.load_safetensors_into`.
 
 `save_hf_looped` writes the same layout (config.json + model.safetensors) from a `LoopedLM`:
-for tests, and for tiny models trained here.
+for tests, and for tiny models trained here. Our recursive Llama (`models.recursive`) has its
+own names (Llama's, grouped as Raven's) and may ship only its block, the rest of its layers
+read from the base Llama it was made from (`base_model` in its config.json).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -34,6 +37,9 @@ from models.looped import LoopedLM
 # Recomputed buffers a checkpoint may hold: Ouro's rotary inv_freq, Raven's persistent
 # `freqs_cis` (RoPE cos/sin table).
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^(transformer\.)?freqs_cis$")
+
+# config.json's entry naming the base Llama of a checkpoint that ships only its block
+BASE_MODEL = "base_model"
 
 # HF tensor name -> (path in our nnx state, transpose?): every looped tensor is one parameter
 Pairs = dict[str, tuple[tuple[Any, ...], bool]]
@@ -79,10 +85,31 @@ def _raven_table(cfg: LoopedConfig) -> Pairs:
     return t
 
 
+def _recursive_table(cfg: LoopedConfig) -> Pairs:
+    t: Pairs = {
+        "model.embed_tokens.weight": (("embed_tokens", "embedding"), False),
+        "model.norm.weight": (("norm", "weight"), False),
+    }
+    for group, n in (("prelude", cfg.prelude_layers), ("core_block", cfg.core_layers),
+                     ("coda", cfg.coda_layers)):
+        for i in range(n):
+            p = f"model.{group}.{i}."
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                t[p + f"{norm}.weight"] = ((group, i, norm, "weight"), False)
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                t[p + f"self_attn.{proj}.weight"] = ((group, i, "self_attn", proj, "kernel"), True)
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                t[p + f"mlp.{proj}.weight"] = ((group, i, "mlp", proj, "kernel"), True)
+    return t
+
+
+_TABLES = {"ouro": _ouro_table, "raven": _raven_table, "recursive": _recursive_table}
+
+
 def hf_table(cfg: LoopedConfig) -> TensorTable:
     """HF tensor name -> the one parameter it fills (`Target`: path in our nnx state,
     transpose?). lm_head only when untied."""
-    t = _ouro_table(cfg) if cfg.family == "ouro" else _raven_table(cfg)
+    t = _TABLES[cfg.family](cfg)
     if not cfg.tie_word_embeddings:
         t["lm_head.weight"] = (("lm_head", "kernel"), True)
     return {name: (Target(path, transpose),) for name, (path, transpose) in t.items()}
@@ -105,8 +132,59 @@ def load_looped_config(path: str | os.PathLike) -> LoopedConfig:
     return config_from_json(path, LoopedConfig.from_hf)
 
 
+def base_model_of(path: str | os.PathLike) -> dict | None:
+    """The `base_model` entry of `<path>/config.json`: where a checkpoint that ships only its
+    recurrent block takes its other layers from (`load_hf_looped`), or None."""
+    return read_hf_config_json(path).get(BASE_MODEL)
+
+
+def _sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _load_base(base: str | os.PathLike, entry: dict, dtype):
+    """The base Llama of a block-only checkpoint, its file's sha256 checked."""
+    from models.gguf_loader import load_gguf_llama  # noqa: PLC0415
+    from models.hf_loader import load_hf_llama  # noqa: PLC0415
+    base = os.fspath(base)
+    if os.path.isfile(base):
+        want = entry.get("sha256")
+        if want and _sha256(base) != want:
+            raise CheckpointError(f"{base}: sha256 differs from the base model this checkpoint "
+                                  f"was trained on ({entry.get('name', '?')}, sha256 {want})")
+        return load_gguf_llama(base, dtype=dtype)
+    if os.path.isdir(base):
+        return load_hf_llama(base, dtype=dtype)
+    raise CheckpointError(f"base model {base} does not exist")
+
+
+def _load_block_only(path: str, cfg: LoopedConfig, dtype, base, entry: dict) -> LoopedLM:
+    """A recursive model whose block comes from `path` and everything else from the base
+    Llama: its first prelude_layers layers, its last coda_layers, embedding, norm (and head)."""
+    from models.recursive import from_llama  # noqa: PLC0415
+    if cfg.family != "recursive":
+        raise CheckpointError(f"{path}: only recursive models are shipped block-only "
+                              f"(this config is {cfg.family})")
+    if base is None:
+        raise CheckpointError(f"{path} holds only the recurrent block; it is built on the base "
+                              f"model {entry.get('name', '?')}: pass its weights as base=")
+    llama = _load_base(base, entry, dtype)
+    table = {k: v for k, v in hf_table(cfg).items() if k.startswith("model.core_block.")}
+    block = load_safetensors_into(
+        path, lambda: build_looped(cfg, dtype=dtype, rngs=nnx.Rngs(0)), table, dtype,
+        skip=lambda name: False, kind="recursive model's block")
+    model = from_llama(llama, cfg)
+    nnx.update(model.core_block, nnx.state(block.core_block))
+    return model
+
+
 def load_hf_looped(path: str | os.PathLike, dtype=jnp.float32,
-                   config: LoopedConfig | None = None, mesh=None) -> LoopedLM:
+                   config: LoopedConfig | None = None, mesh=None,
+                   base: str | os.PathLike | None = None) -> LoopedLM:
     """Loads an Ouro or Huginn/Raven safetensors checkpoint (single file or sharded) into a
     `LoopedLM` with parameters of `dtype`. config: overrides `config.json` (its shapes are
     still checked against every tensor). mesh: load sharded for tensor parallelism (see
@@ -116,9 +194,17 @@ def load_hf_looped(path: str | os.PathLike, dtype=jnp.float32,
     a tensor whose shape differs from the config's, a tensor the model needs that is absent
     (`lm_head.weight` is optional only with tied embeddings), or an unknown tensor. Recomputed
     RoPE buffers (`rotary_emb.inv_freq`, `freqs_cis`) are skipped.
+
+    A recursive model whose config.json has a `base_model` entry ships only its block
+    (`save_hf_looped(..., base_model=)`): `base` is then the base Llama's weights (a GGUF file,
+    whose sha256 must match the entry's, or a Hugging Face directory), from which the prelude,
+    coda, embedding and norm are taken (loaded whole: mesh does not apply).
     """
     path = os.fspath(path)
     cfg = config if config is not None else load_looped_config(path)
+    entry = base_model_of(path)
+    if entry is not None:
+        return _load_block_only(path, cfg, dtype, base, entry)
     tied = cfg.tie_word_embeddings
     return load_safetensors_into(
         path, lambda: build_looped(cfg, dtype=dtype, rngs=nnx.Rngs(0)), hf_table(cfg), dtype,
@@ -145,6 +231,19 @@ def hf_config_dict(cfg: LoopedConfig) -> dict[str, Any]:
             "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
             "tie_word_embeddings": cfg.tie_word_embeddings, "use_sliding_window": False,
             "total_ut_steps": cfg.num_loops, "early_exit_threshold": 1.0,
+            "bos_token_id": cfg.bos_token_id, "eos_token_id": eos_field,
+        }
+    if cfg.family == "recursive":
+        return {
+            "architectures": ["RecursiveLlamaForCausalLM"], "model_type": "recursive_llama",
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+            "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
+            "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
+            "tie_word_embeddings": cfg.tie_word_embeddings,
+            "prelude_layers": cfg.prelude_layers, "core_layers": cfg.core_layers,
+            "coda_layers": cfg.coda_layers, "num_loops": cfg.num_loops,
             "bos_token_id": cfg.bos_token_id, "eos_token_id": eos_field,
         }
     if cfg.head_dim * cfg.num_heads != cfg.hidden_size:
@@ -184,14 +283,26 @@ def hf_state_dict(model: LoopedLM) -> dict[str, np.ndarray]:
     return out
 
 
-def save_hf_looped(model: LoopedLM, path: str | os.PathLike) -> None:
-    """Writes `config.json` and `model.safetensors` (float32) that `load_hf_looped`, and the
-    published modeling code, read."""
+def save_hf_looped(model: LoopedLM, path: str | os.PathLike, *, base_model: dict | None = None,
+                   dtype=np.float32, extra: dict | None = None) -> None:
+    """Writes `config.json` and `model.safetensors` (`dtype`, float32 by default) that
+    `load_hf_looped`, and the published modeling code, read.
+
+    base_model (recursive models only): write only the block's tensors and record this entry
+    ({"name", "sha256", ...}: the base Llama the other layers are taken from when loading).
+    extra: more config.json fields (e.g. how the weights were made)."""
 
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     hf = hf_config_dict(model.config)
+    tensors = hf_state_dict(model)
+    if base_model is not None:
+        if model.config.family != "recursive":
+            raise ValueError("base_model: only a recursive model ships its block alone")
+        hf[BASE_MODEL] = base_model
+        tensors = {k: v for k, v in tensors.items() if k.startswith("model.core_block.")}
+    hf.update(extra or {})
     with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(hf, f, indent=2)
-    save_file(hf_state_dict(model), os.path.join(path, SAFETENSORS_FILE),
-              metadata={"format": "pt"})
+    save_file({k: v.astype(dtype) for k, v in tensors.items()},
+              os.path.join(path, SAFETENSORS_FILE), metadata={"format": "pt"})

@@ -154,11 +154,6 @@ class RavenLM(LoopedLM):
     def readout_state(self, h, depth, positions, mask, cache, attention_fn):
         """ln_f(coda(ln_f(h))), the coda attending to the readout depth's coda slots (depth
         1..R, one int or [B,T]); returns it and the coda's K/V (None without coda layers)."""
-        mask = default_mask(mask, positions)
-        cos, sin = self.rope(positions)
-        per_token = jnp.ndim(depth) > 0
-        d = jnp.asarray(depth, jnp.int32) - 1 if per_token else None
-        x, kv = self._stack(self.coda, self.ln_f(h), cos, sin, mask, cache,
-                            None if per_token else self.coda_slot(depth), d, attention_fn,
-                            self.config.coda_slot0, self.config.coda_layers)
+        x, kv = self.run_coda(self.coda, self.ln_f(h), depth, positions, mask, cache,
+                              attention_fn)
         return self.ln_f(x), kv

@@ -1,4 +1,4 @@
-"""Looped models (Ouro, Raven): the per-depth pieces compose into the whole-depth forward;
+"""Looped models (Ouro, Raven, recursive Llama): the per-depth pieces compose into the whole-depth forward;
 tokens can be held at a depth and resumed, advanced in batches of mixed depths, and decoded
 incrementally with the per-depth KV cache, all equal to the no-cache forward (fp32, 1e-5);
 Raven's initial state is a function of (seed, position) only; configs are validated; plain
@@ -33,6 +33,13 @@ CONFIGS = {
                           tie_word_embeddings=True, max_position_embeddings=256,
                           bos_token_id=1, eos_token_ids=(2,)),
 }
+# The recursive Llama's pieces are checked here; the decoders on top (LoopSpec, LoopAhead, the
+# tree, the mesh), family-independent, run on CONFIGS (tests/test_recursive.py runs them once).
+RECURSIVE = LoopedConfig(family="recursive", vocab_size=97, hidden_size=32, intermediate_size=48,
+                         num_heads=4, num_kv_heads=2, num_loops=3, prelude_layers=1,
+                         core_layers=2, coda_layers=1, rope_theta=1e4, tie_word_embeddings=True,
+                         max_position_embeddings=256, bos_token_id=1, eos_token_ids=(2,))
+ALL_CONFIGS = {**CONFIGS, "recursive": RECURSIVE}
 
 
 def _perturb_norms(model: LoopedLM, seed: int = 1) -> LoopedLM:
@@ -62,9 +69,9 @@ class Jitted:
         return lambda *a: self._fns[name](self.params, *a)
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+@pytest.fixture(scope="module", params=list(ALL_CONFIGS))
 def model(request):
-    return _perturb_norms(build_looped(CONFIGS[request.param], rngs=nnx.Rngs(0)))
+    return _perturb_norms(build_looped(ALL_CONFIGS[request.param], rngs=nnx.Rngs(0)))
 
 
 @pytest.fixture(scope="module")
@@ -332,6 +339,10 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="qk_bias needs"):
         LoopedConfig(family="raven", core_layers=1, qk_bias=True, **{**base, "num_kv_heads": 1})
     cfg = LoopedConfig(family="raven", core_layers=2, prelude_layers=1, coda_layers=1, **base)
+    with pytest.raises(ConfigError, match="recursive has no qk_bias"):
+        LoopedConfig(family="recursive", core_layers=1, qk_bias=True, **base)
+    with pytest.raises(ConfigError, match="recursive uses prelude_layers"):
+        LoopedConfig(family="recursive", core_layers=1, num_layers=2, **base)
     assert hash(cfg) == hash(dataclasses.replace(cfg))
     assert cfg.embed_scale == pytest.approx(4.0) and cfg.state_std == pytest.approx((2 / 80) ** .5)
     assert cfg.head_dim == 8 and cfg.cache_slots == 1 + 2 * 2 + 2 * 1
@@ -366,10 +377,10 @@ def test_from_hf():
 
 # ---- plain decoding through the engine ----------------------------------------------------------
 
-@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("family", list(ALL_CONFIGS))
 def test_engine_greedy_equals_naive_argmax(family):
     from lookahead_jax.engine import Engine  # noqa: PLC0415
-    model = _perturb_norms(build_looped(CONFIGS[family], rngs=nnx.Rngs(3)))
+    model = _perturb_norms(build_looped(ALL_CONFIGS[family], rngs=nnx.Rngs(3)))
     fast = Jitted(model)
     prompts = [[5, 9, 11, 3], [7, 8]]
     new = 6

@@ -102,6 +102,11 @@ _TINY = dict(hidden_size=256, num_heads=4, steps=200, head="model")
 CONFIGS = {
     "tiny_ouro": for_preset("tiny_ouro", "tiny_ouro", draft_depth=1, **_TINY),
     "tiny_raven": for_preset("tiny_raven", "tiny_raven", draft_depth=2, **_TINY),
+    # SmolLM2 made recursive (135M parameters, 34 layers deep at R = 4): the same 256-wide
+    # drafter on loop 1's states, fewer teacher prompts (its continuations cost a real model's
+    # decoding on the CPU)
+    "smol_loop": for_preset("smol_loop", "smol_loop", draft_depth=1, num_train=256, num_dev=32,
+                            num_confirm=32, **_TINY),
 }
 
 

@@ -193,8 +193,7 @@ def output_embedding(model) -> jax.Array:
     if model.lm_head is not None:
         w = model.lm_head.kernel.get_value()
     else:
-        table = model.embed_tokens if model.config.family == "ouro" else model.wte
-        w = table.embedding.get_value().T
+        w = model.token_embed.embedding.get_value().T
     w = w.astype(jnp.float32)
     return w / jnp.maximum(jnp.linalg.norm(w, axis=0).mean(), 1e-12)
 

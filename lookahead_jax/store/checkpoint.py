@@ -19,7 +19,8 @@ from models.gguf_loader import load_gguf_config, load_gguf_llama
 from models.hf_loader import load_hf_config, load_hf_llama
 from models.llama import Llama
 from models.build import build_looped
-from models.looped_loader import is_looped_checkpoint, load_hf_looped, load_looped_config
+from models.looped_loader import (base_model_of, is_looped_checkpoint, load_hf_looped,
+                                  load_looped_config)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -59,6 +60,19 @@ def _missing_weights(preset: Preset) -> ConfigError:
         f"directory with config.json and *.safetensors)")
 
 
+def base_weights(source: str | os.PathLike) -> str | None:
+    """The base Llama's weights of a looped checkpoint that ships only its block (its
+    config.json's `base_model` names the model store's entry, "smollm2": the embedded GGUF,
+    fetched if missing), or None for a whole checkpoint."""
+    entry = base_model_of(source)
+    if entry is None:
+        return None
+    if entry.get("store") == "smollm2":
+        return os.fspath(smollm2_gguf())
+    raise ConfigError(f"checkpoint {source}: its base model {entry.get('name', '?')!r} is not "
+                      f"one the model store provides")
+
+
 def load_model_and_tokenizer(preset: Preset, ckpt: str | os.PathLike | None = None,
                              dtype: str | None = None, mesh=None):
     """Loads the preset's weights (or `ckpt`) -> (model, tokenizer or None, source description).
@@ -85,7 +99,7 @@ def load_model_and_tokenizer(preset: Preset, ckpt: str | os.PathLike | None = No
     if os.path.isdir(source):
         if looped or is_looped_checkpoint(source):
             check_model_matches(preset, load_looped_config(source), source)
-            model = load_hf_looped(source, dtype=jdtype, mesh=mesh)
+            model = load_hf_looped(source, dtype=jdtype, mesh=mesh, base=base_weights(source))
         else:
             check_model_matches(preset, load_hf_config(source), source)
             model = load_hf_llama(source, dtype=jdtype, mesh=mesh)

@@ -159,10 +159,10 @@ DEVICES: tuple[Device, ...] = (
 
 
 def layers_of(cfg: LlamaConfig | LoopedConfig) -> int:
-    """Layers one step (Llama) or one loop (looped: Ouro's stack, Raven's core) runs: what the
-    per-layer overhead term is multiplied by."""
+    """Layers one step (Llama) or one loop (looped: Ouro's stack, Raven's or a recursive
+    Llama's core) runs: what the per-layer overhead term is multiplied by."""
     if isinstance(cfg, LoopedConfig):
-        return cfg.core_layers if cfg.family == "raven" else cfg.num_layers
+        return cfg.loop_layers
     return cfg.num_layers
 
 

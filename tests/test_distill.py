@@ -1,0 +1,100 @@
+"""train_looped.distill, SmolLM2 made recursive, on a tiny random Llama: the block starts as
+a copy of the replaced layers with scaled output projections; the loss is zero for the teacher's
+own states; training steps lower it; the student's states are the recursive model's (the
+exported model reads out what training measured); settings are validated; chat documents keep
+their turns."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from models.config import LlamaConfig
+from models.llama import Llama
+from models.recursive import from_llama
+from train_looped import distill
+from train_looped.distill import DistillConfig
+
+CFG = DistillConfig(prelude_layers=1, replaced_layers=4, core_layers=1, num_loops=2,
+                    loop_weights=(1.0, 2.0), seq_len=12, batch_size=3)
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    cfg = LlamaConfig(vocab_size=53, hidden_size=32, intermediate_size=48, num_layers=6,
+                      num_heads=4, num_kv_heads=2, rope_theta=1e4, tie_word_embeddings=True,
+                      max_position_embeddings=64, bos_token_id=1, eos_token_ids=(2,))
+    return Llama(cfg, rngs=nnx.Rngs(0))
+
+
+def _tokens(seed=0, b=3, t=12):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, 53, (b, t)), jnp.int32)
+
+
+def test_settings_validated():
+    assert CFG.teacher_depths == [1, 3, 5]
+    with pytest.raises(ValueError, match="multiple of num_loops"):
+        dataclasses.replace(CFG, replaced_layers=3)
+    with pytest.raises(ValueError, match="loop_weights"):
+        dataclasses.replace(CFG, loop_weights=(1.0,))
+    with pytest.raises(ValueError, match="mixture"):
+        dataclasses.replace(CFG, mixture=(0.5, 0.5, 0.5, 0.5))
+
+
+def test_chat_documents_keep_their_turns():
+    from train_looped.corpus import chat_text  # noqa: PLC0415
+    msgs = distill.chat_messages(chat_text("How many legs?\n", "Four.\n\n#### 4"))
+    assert msgs == [{"role": "user", "content": "How many legs?"},
+                    {"role": "assistant", "content": "Four.\n\n#### 4"}]
+
+
+def test_init_block_copies_and_scales(teacher):
+    block = distill.init_block(teacher, CFG)
+    src = teacher.layers[CFG.prelude_layers]
+    np.testing.assert_array_equal(block[0].self_attn.q_proj.kernel[...],
+                                  src.self_attn.q_proj.kernel[...])
+    np.testing.assert_allclose(block[0].mlp.down_proj.kernel[...],
+                               CFG.out_scale * src.mlp.down_proj.kernel[...], rtol=1e-6)
+
+
+def test_loss_is_zero_on_the_teachers_states_and_training_lowers_it(teacher):
+    tokens = _tokens()
+    t = distill.teacher_states(teacher, tokens, CFG.teacher_depths)
+    assert t.shape == (3, 3, 12, 32)
+    scale = jnp.std(t[1:], axis=(1, 2)) + 1e-3
+    loss, per = distill.state_loss(t[1:], t[1:], scale, CFG.loop_weights)
+    assert float(loss) == 0 and per.shape == (2,)
+    block = distill.init_block(teacher, CFG)
+    graphdef, params = nnx.split(block, nnx.Param)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam())
+    step = distill.make_step(teacher, graphdef, CFG, scale, tx)
+    opt = tx.init(params)
+    losses = []
+    for _ in range(15):
+        params, opt, loss, _ = step(params, opt, tokens, jnp.float32(3e-3))
+        losses.append(float(loss))
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_student_states_are_the_recursive_models(teacher):
+    """The exported model (`from_llama` + the trained block) reads out, at every depth, the
+    teacher's coda on the states training computed."""
+    cfg = dataclasses.replace(CFG, out_scale=0.5)
+    block = distill.init_block(teacher, cfg)
+    tokens = _tokens(1, b=2, t=9)
+    h0 = distill.teacher_states(teacher, tokens, [cfg.prelude_layers])[0]
+    s = distill.student_states(teacher, block, h0, tokens, cfg.num_loops)
+    coda_from = cfg.prelude_layers + cfg.replaced_layers
+    want = distill.readout_logits(teacher, coda_from, s, tokens)
+    model = from_llama(teacher, distill.model_config(cfg, teacher.config))
+    nnx.update(model.core_block, nnx.state(block, nnx.Param))
+    pos = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+    got, _ = model.loop_logits(tokens, pos)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    assert jax.tree.leaves(got)[0].shape[0] == cfg.num_loops

@@ -1,0 +1,551 @@
+"""A looped model that writes real text: SmolLM2-135M-Instruct with its middle layers replaced by
+one shared block run R times, the block trained to reproduce the replaced layers.
+
+    python -m train_looped.distill --out=checkpoints/smol_loop
+
+The student (`models.recursive`, family "recursive"): SmolLM2's embedding and its first
+`prelude_layers` layers (the prelude, frozen), a block of `core_layers` pre-norm Llama layers run
+`num_loops` times (the loop, trained), SmolLM2's remaining last layers (the coda, frozen), its
+final norm and tied head. The block replaces the `replaced_layers` layers after the prelude;
+it starts as a copy of the first `core_layers` of them with their output projections (attention
+`o_proj`, MLP `down_proj`) scaled by `out_scale`, so that R loops of it start near one pass of
+the copied layers.
+
+Objective (hidden-state distillation, the teacher being SmolLM2 itself): loop r = 1..R should
+reproduce the teacher's residual stream after layer prelude_layers + r * replaced_layers / R.
+The loss is the sum over loops of `loop_weights[r]` times the mean squared error of the states,
+each dimension divided by the teacher's standard deviation of that dimension at that depth
+(measured once on the first batch: the residual stream's few very large dimensions would
+otherwise be all the loss measures). Only the block is trained, so only the block is shipped
+(`models.recursive` rebuilds the rest from the SmolLM2 GGUF it names by sha256); the coda is
+not run in training, which is what makes a step cheap: the teacher's first prelude +
+replaced layers (no gradient) and R loops of the block (with it).
+
+Data: the offline corpus of `train_looped.corpus` (train split only), each source tokenized
+with SmolLM2's tokenizer, the chat pairs (GSM8K train, the Python FAQ) through its chat
+template, documents joined by <|endoftext|>; a batch draws `seq_len` windows at offsets fixed
+by (seed, step) from the sources in the proportions `mixture`. Held-out: the corpus's held-out
+split, evaluated through the coda at every depth (cross-entropy, and top-1 agreement with the
+teacher and with the full depth).
+
+Training saves an Orbax checkpoint to --workdir every few minutes and on Ctrl-C; running the
+same command again resumes. The export is the block's weights (bfloat16), the model config
+with the base model's name and sha256, and the training record (`models.recursive.save`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import pathlib
+import sys
+import time
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+
+SOURCES = ("gsm8k", "pydocs", "stdlib", "pyfaq")
+CHAT_SOURCES = ("gsm8k", "pyfaq")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    base: str = "smollm2_135m"         # the teacher's preset (the embedded GGUF)
+    prelude_layers: int = 12
+    replaced_layers: int = 8           # teacher layers the loop replaces
+    core_layers: int = 2
+    num_loops: int = 4
+    out_scale: float = 0.25            # initial scale of the copied layers' output projections
+    loop_weights: tuple[float, ...] = (1.0, 1.0, 1.0, 2.0)
+    mixture: tuple[float, ...] = (0.35, 0.3, 0.3, 0.05)  # SOURCES' shares of the windows
+    tokens_per_source: int = 3_000_000
+    seq_len: int = 256
+    batch_size: int = 8
+    steps: int = 0                     # 0: from minutes, after timing the first steps
+    minutes: float = 60.0
+    peak_lr: float = 5e-4
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    save_every_minutes: float = 10.0
+    eval_rows: int = 24
+
+    def __post_init__(self):
+        if self.replaced_layers % self.num_loops:
+            raise ValueError(f"replaced_layers ({self.replaced_layers}) must be a multiple of "
+                             f"num_loops ({self.num_loops}): loop r stands for replaced_layers "
+                             f"/ num_loops of them")
+        if len(self.loop_weights) != self.num_loops:
+            raise ValueError(f"loop_weights has {len(self.loop_weights)} entries, num_loops is "
+                             f"{self.num_loops}")
+        if len(self.mixture) != len(SOURCES) or abs(sum(self.mixture) - 1) > 1e-6:
+            raise ValueError(f"mixture: {len(SOURCES)} shares summing to 1 ({SOURCES})")
+
+    @property
+    def teacher_depths(self) -> list[int]:
+        """Teacher layer counts whose output loop r = 0..R stands for."""
+        step = self.replaced_layers // self.num_loops
+        return [self.prelude_layers + r * step for r in range(self.num_loops + 1)]
+
+
+# ---- data -----------------------------------------------------------------------------------
+
+def chat_messages(text: str) -> list[dict]:
+    """The corpus's single-turn chat text (`train_looped.corpus.chat_text`) as messages."""
+    from train_looped.corpus import ASSISTANT, USER  # noqa: PLC0415
+    user, _, assistant = text.partition(f"\n{ASSISTANT}\n")
+    return [{"role": "user", "content": user.removeprefix(USER).strip()},
+            {"role": "assistant", "content": assistant.strip()}]
+
+
+def render(tok, doc) -> list[int]:
+    """Token ids of one corpus document for SmolLM2: chat pairs through its chat template."""
+    if doc.source in CHAT_SOURCES:
+        text = tok.apply_chat_template(chat_messages(doc.text), tokenize=False)
+    else:
+        text = doc.text
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def separator_id(tok) -> int:
+    """The token between documents: SmolLM2's <|endoftext|>."""
+    return tok.convert_tokens_to_ids("<|endoftext|>")
+
+
+def source_tokens(tok, docs, limit: int, eos_id: int):
+    """Documents' ids joined by eos_id, stopping once `limit` tokens are collected."""
+    import numpy as np  # noqa: PLC0415
+    out, n = [], 0
+    for d in docs:
+        ids = render(tok, d) + [eos_id]
+        out.append(np.asarray(ids, np.int32))
+        n += len(ids)
+        if n >= limit:
+            break
+    return np.concatenate(out)[:limit]
+
+
+def prepare_data(tok, split: str, cfg: DistillConfig, cache: pathlib.Path, eos_id: int):
+    """{source: int32 token stream} of the corpus split, cached in `cache`."""
+    import numpy as np  # noqa: PLC0415
+    from train_looped import corpus  # noqa: PLC0415
+    cache.mkdir(parents=True, exist_ok=True)
+    paths = {s: cache / f"{split}_{s}.npy" for s in SOURCES}
+    if not all(p.exists() for p in paths.values()):
+        if not (corpus.corpus_dir() / f"{split}.jsonl").exists():
+            corpus.build()
+        docs = corpus.read_split(corpus.corpus_dir() / f"{split}.jsonl")
+        for s in SOURCES:
+            mine = [d for d in docs if d.source == s]
+            np.save(paths[s], source_tokens(tok, mine, cfg.tokens_per_source, eos_id))
+    return {s: np.load(p) for s, p in paths.items()}
+
+
+def batch_at(streams: dict, cfg: DistillConfig, step: int):
+    """[B, T+1] int32 windows fixed by (seed, step): each row's source drawn by `mixture`."""
+    import numpy as np  # noqa: PLC0415
+    rng = np.random.default_rng([cfg.seed, step])
+    rows = []
+    for s in rng.choice(len(SOURCES), size=cfg.batch_size, p=cfg.mixture):
+        toks = streams[SOURCES[s]]
+        start = rng.integers(0, toks.size - cfg.seq_len - 1)
+        rows.append(toks[start:start + cfg.seq_len + 1])
+    return np.stack(rows).astype(np.int32)
+
+
+def heldout_rows(streams: dict, cfg: DistillConfig):
+    """A fixed held-out batch [eval_rows, T+1]: evenly spaced windows of each source."""
+    import numpy as np  # noqa: PLC0415
+    per = max(1, cfg.eval_rows // len(SOURCES))
+    rows = []
+    for s in SOURCES:
+        toks = streams[s]
+        for i in range(per):
+            start = (toks.size - cfg.seq_len - 1) * i // per
+            rows.append(toks[start:start + cfg.seq_len + 1])
+    return np.stack(rows).astype(np.int32)
+
+
+# ---- the computation ------------------------------------------------------------------------
+
+def _llama_pieces(teacher, tokens):
+    import jax.numpy as jnp  # noqa: PLC0415
+    from models.layers import causal_mask, rope_cos_sin, rope_inv_freq  # noqa: PLC0415
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mask = causal_mask(jnp.full((b,), t, jnp.int32), t)
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(teacher.config))
+    return cos, sin, mask
+
+
+def run_layers(layers, x, cos, sin, mask):
+    from models.layers import dot_product_attention  # noqa: PLC0415
+    for layer in layers:
+        x, _ = layer(x, cos, sin, mask, None, None, dot_product_attention)
+    return x
+
+
+def teacher_states(teacher, tokens, depths: list[int]):
+    """The teacher's residual stream after each of `depths` layers: [len(depths), B, T, E]."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    cos, sin, mask = _llama_pieces(teacher, tokens)
+    x = teacher.embed_tokens(tokens)
+    out, done = [], 0
+    for d in depths:
+        x = run_layers(teacher.layers[done:d], x, cos, sin, mask)
+        done = d
+        out.append(x)
+    return jnp.stack(out)
+
+
+def student_states(teacher, block, h0, tokens, num_loops: int):
+    """The states after loops 1..R of `block` from h0: [R, B, T, E]."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    cos, sin, mask = _llama_pieces(teacher, tokens)
+    out, x = [], h0
+    for _ in range(num_loops):
+        x = run_layers(block, x, cos, sin, mask)
+        out.append(x)
+    return jnp.stack(out)
+
+
+def readout_logits(teacher, coda_from: int, h, tokens):
+    """Logits of states h [..., B, T, E] through the teacher's layers coda_from.., norm, head."""
+    import jax  # noqa: PLC0415
+    cos, sin, mask = _llama_pieces(teacher, tokens)
+
+    def one(x):
+        x = run_layers(teacher.layers[coda_from:], x, cos, sin, mask)
+        return teacher.embed_tokens.attend(teacher.norm(x)).astype("float32")
+    return jax.lax.map(one, h)
+
+
+def state_loss(student, target, scale, weights):
+    """sum_r w_r mean(((s_r - t_r) / scale_r)^2): student, target [R,B,T,E]; scale [R,E]."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    err = jnp.mean(jnp.square((student - target) / scale[:, None, None, :]), axis=(1, 2, 3))
+    return jnp.sum(jnp.asarray(weights) * err), err
+
+
+def init_block(teacher, cfg: DistillConfig):
+    """A copy of the first core_layers replaced layers, output projections * out_scale."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+    from models.llama import DecoderLayer  # noqa: PLC0415
+    block = nnx.List([DecoderLayer(teacher.config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+                      for _ in range(cfg.core_layers)])
+    src = nnx.List([teacher.layers[cfg.prelude_layers + i] for i in range(cfg.core_layers)])
+    nnx.update(block, nnx.state(src, nnx.Param))
+    for layer in block:
+        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            proj.kernel[...] = proj.kernel[...] * cfg.out_scale
+    return block
+
+
+def make_step(teacher, graphdef, cfg: DistillConfig, scale, tx):
+    """The jitted training step (params, opt_state, tokens [B,T], lr) -> (params, opt_state,
+    loss, per-loop loss [R]): the teacher's states as targets, the block's loops from the
+    teacher's prelude output, `state_loss`, one optimizer update scaled by lr."""
+    import jax  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+    depths = cfg.teacher_depths
+
+    @jax.jit
+    def step_fn(params, opt_state, tokens, lr):
+        t = teacher_states(teacher, tokens, depths)
+
+        def loss_fn(p):
+            s = student_states(teacher, nnx.merge(graphdef, p), t[0], tokens, cfg.num_loops)
+            return state_loss(s, t[1:], scale, cfg.loop_weights)
+
+        (loss, per_loop), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
+        return params, opt_state, loss, per_loop
+
+    return step_fn
+
+
+def train(cfg: DistillConfig, workdir: pathlib.Path, *, progress: bool = True,
+          max_steps_this_run: int | None = None):
+    """Trains the block (resuming from workdir) -> (state, block graphdef, teacher, eval)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from lookahead_jax.store.checkpoint import load_model_and_tokenizer  # noqa: PLC0415
+    from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
+    from train_looped.train import (Checkpoints, TrainConfig, TrainState,  # noqa: PLC0415
+                                    lr_at, make_optimizer)
+
+    teacher, tok, _ = load_model_and_tokenizer(load_preset(cfg.base))
+    eos = separator_id(tok)
+    train_streams = prepare_data(tok, "train", cfg, workdir / "data", eos)
+    held = heldout_rows(prepare_data(tok, "heldout", cfg, workdir / "data", eos), cfg)
+    opt_cfg = TrainConfig(seq_len=cfg.seq_len, batch_size=cfg.batch_size, steps=cfg.steps,
+                          minutes=cfg.minutes, peak_lr=cfg.peak_lr, warmup_steps=cfg.warmup_steps,
+                          min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay,
+                          grad_clip=cfg.grad_clip, seed=cfg.seed)
+    tx = make_optimizer(opt_cfg)
+    block = init_block(teacher, cfg)
+    graphdef, params = nnx.split(block, nnx.Param)
+    depths = cfg.teacher_depths
+
+    @jax.jit
+    def targets(tokens):
+        return teacher_states(teacher, tokens, depths)
+
+    scale_file = workdir / "state_scale.npy"
+    if not scale_file.exists():
+        t = targets(jnp.asarray(batch_at(train_streams, cfg, 0)[:, :-1]))
+        np.save(scale_file, np.asarray(jnp.std(t[1:], axis=(1, 2)) + 1e-3))
+    scale = jnp.asarray(np.load(scale_file))
+
+    step_fn = make_step(teacher, graphdef, cfg, scale, tx)
+
+    state = TrainState(params, tx.init(params))
+    ckpts = Checkpoints(workdir / "orbax")
+    restored = ckpts.latest(state)
+    if restored is not None:
+        state = restored
+    total = state.total_steps or cfg.steps
+    evaluate = functools.partial(evaluate_block, teacher, graphdef, cfg)
+    log = open(workdir / "metrics.jsonl", "a")
+    bar = None
+    if progress:
+        from tqdm import tqdm  # noqa: PLC0415
+        bar = tqdm(total=total or None, initial=state.step, unit="step", dynamic_ncols=True)
+    timed, ran, last_save = [], 0, time.perf_counter()
+
+    def save():
+        nonlocal last_save
+        record = {"step": state.step, "event": "save", "elapsed_s": round(state.elapsed_s, 1),
+                  **evaluate(state.params, held)}
+        ckpts.save(state)
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+        last_save = time.perf_counter()
+        return record
+
+    try:
+        if state.step == 0:
+            init = evaluate(state.params, held)
+            log.write(json.dumps({"step": 0, "event": "init", **init}) + "\n")
+            log.flush()
+        while total == 0 or state.step < total:
+            tokens = jnp.asarray(batch_at(train_streams, cfg, state.step)[:, :-1])
+            lr = lr_at(state.step, total or cfg.warmup_steps + 1, opt_cfg)
+            t0 = time.perf_counter()
+            params, opt_state, loss, per_loop = step_fn(state.params, state.opt_state, tokens,
+                                                        jnp.float32(lr))
+            loss, per_loop = float(loss), np.asarray(per_loop)
+            dt = time.perf_counter() - t0
+            if not np.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {state.step}")
+            state = dataclasses.replace(state, params=params, opt_state=opt_state,
+                                        step=state.step + 1, elapsed_s=state.elapsed_s + dt,
+                                        tokens_seen=state.tokens_seen + tokens.size)
+            ran += 1
+            if ran > 1:
+                timed.append(dt)
+            if total == 0 and len(timed) >= 3:
+                total = max(state.step + 1, int(cfg.minutes * 60 / float(np.median(timed))))
+                if bar is not None:
+                    bar.total = total
+                    bar.refresh()
+            state = dataclasses.replace(state, total_steps=total)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"loss {loss:.3f} | per loop "
+                                    + " ".join(f"{x:.2f}" for x in per_loop)
+                                    + f" | {tokens.size / dt:.0f} tok/s", refresh=False)
+            if state.step % 10 == 0:
+                log.write(json.dumps({
+                    "step": state.step, "lr": round(lr, 7), "loss": round(loss, 4),
+                    "per_loop": per_loop.astype(float).round(4).tolist(),
+                    "tok_s": round(tokens.size / dt)}) + "\n")
+                log.flush()
+            if time.perf_counter() - last_save > cfg.save_every_minutes * 60:
+                save()
+            if max_steps_this_run is not None and ran >= max_steps_this_run:
+                break
+        final = save() if ran else None
+    except KeyboardInterrupt:
+        save()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        log.close()
+        ckpts.close()
+    return state, final, tok
+
+
+def evaluate_block(teacher, graphdef, cfg: DistillConfig, params, rows) -> dict:
+    """Held-out figures of the block `params` on rows [N, T+1]: per-depth cross-entropy, top-1
+    agreement with the teacher and with the full depth, and the teacher's own cross-entropy."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    coda_from = cfg.prelude_layers + cfg.replaced_layers
+
+    @jax.jit
+    def one(params, row):
+        tokens, labels = row[None, :-1], row[None, 1:]
+        t = teacher_states(teacher, tokens, [cfg.prelude_layers, coda_from])
+        s = student_states(teacher, nnx.merge(graphdef, params), t[0], tokens, cfg.num_loops)
+        logits = readout_logits(teacher, coda_from, jnp.concatenate([s, t[1:]]), tokens)
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        ce = -jnp.take_along_axis(lp, labels[None, ..., None], axis=-1)[..., 0]  # [R+1,1,T]
+        top = jnp.argmax(logits, axis=-1)
+        return (jnp.mean(ce, axis=(1, 2)), jnp.mean(top[:-1] == top[-1], axis=(1, 2)),
+                jnp.mean(top[:-1] == top[-2], axis=(1, 2)))
+
+    ce, agree_teacher, agree_full = (np.mean(np.stack(x), axis=0, dtype=np.float64)
+                                     for x in zip(*(one(params, jnp.asarray(r)) for r in rows)))
+    return {"heldout_loop_ce": ce[:-1].round(4).tolist(), "teacher_ce": round(float(ce[-1]), 4),
+            "agree_teacher": agree_teacher.round(4).tolist(),
+            "agree_full_depth": agree_full.round(4).tolist()}
+
+
+# ---- the command ----------------------------------------------------------------------------
+
+def define_flags() -> None:
+    if "workdir" in FLAGS:
+        return
+    flags.DEFINE_string("out", "checkpoints/smol_loop", "Export directory.")
+    flags.DEFINE_string("workdir", None, "Orbax checkpoints, token caches and metrics.jsonl "
+                        "(default $LOOKAHEAD_JAX_CACHE/distill/smol_loop).")
+    flags.DEFINE_integer("steps", None, "Optimizer steps (default: from --minutes).")
+    flags.DEFINE_float("minutes", None, "Wall-clock training budget (default 60).")
+    flags.DEFINE_integer("batch_size", None, "Windows per step (default 8).")
+    flags.DEFINE_integer("max_steps_this_run", None, "Stop after this many steps (resumable).")
+    flags.DEFINE_bool("progress", True, "Show a progress bar.")
+
+
+def _sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def main(argv) -> int:
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    from lookahead_jax.store.model_store import default_cache_dir  # noqa: PLC0415
+    overrides = {k: getattr(FLAGS, k) for k in ("steps", "minutes", "batch_size")
+                 if getattr(FLAGS, k) is not None}
+    cfg = DistillConfig(**overrides)
+    workdir = pathlib.Path(FLAGS.workdir or default_cache_dir() / "distill" / "smol_loop")
+    workdir.mkdir(parents=True, exist_ok=True)
+    run_file = workdir / "run.json"
+    if run_file.exists():
+        old = json.loads(run_file.read_text())["config"]
+        mine = json.loads(json.dumps(dataclasses.asdict(cfg)))
+        changed = [k for k in mine if k not in ("steps", "minutes") and old.get(k) != mine[k]]
+        if changed:
+            raise SystemExit(f"{workdir} was trained with other settings ({', '.join(changed)});"
+                             f" pass another --workdir")
+    run_file.write_text(json.dumps({"config": dataclasses.asdict(cfg), "argv": sys.argv}, indent=1))
+    state, final, _ = train(cfg, workdir, progress=FLAGS.progress,
+                            max_steps_this_run=FLAGS.max_steps_this_run)
+    if final is not None:
+        print(json.dumps(final), file=sys.stderr)
+    if state.step < state.total_steps:
+        print(f"stopped at step {state.step} of {state.total_steps}; run the same command again "
+              f"to resume", file=sys.stderr)
+        return 0
+    out = export(cfg, state, workdir, pathlib.Path(FLAGS.out))
+    print(f"exported {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB) after "
+          f"{state.step} steps, {state.tokens_seen:,} tokens, {state.elapsed_s / 60:.1f} min",
+          file=sys.stderr)
+    return 0
+
+
+def model_config(cfg: DistillConfig, teacher_cfg):
+    """The recursive model's LoopedConfig: the teacher's shape, cfg's stages."""
+    from models.config import LoopedConfig  # noqa: PLC0415
+    t = teacher_cfg
+    return LoopedConfig(
+        family="recursive", vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size, num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, prelude_layers=cfg.prelude_layers,
+        core_layers=cfg.core_layers,
+        coda_layers=t.num_layers - cfg.prelude_layers - cfg.replaced_layers,
+        num_loops=cfg.num_loops, rope_theta=t.rope_theta,
+        rms_norm_eps=float(f"{t.rms_norm_eps:.6g}"),
+        tie_word_embeddings=t.tie_word_embeddings,
+        max_position_embeddings=t.max_position_embeddings, bos_token_id=t.bos_token_id,
+        eos_token_ids=t.eos_token_ids)
+
+
+def export(cfg: DistillConfig, state, workdir: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """Writes the block (bfloat16) over the base GGUF, SmolLM2's tokenizer, the training record
+    with the held-out table of the shipped (bfloat16-rounded) block, and the training log."""
+    import shutil  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import ml_dtypes  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from lookahead_jax.store.checkpoint import load_model_and_tokenizer  # noqa: PLC0415
+    from lookahead_jax.store.model_store import smollm2_gguf  # noqa: PLC0415
+    from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
+    from models.looped_loader import save_hf_looped  # noqa: PLC0415
+    from models.recursive import from_llama  # noqa: PLC0415
+    from train_looped import corpus  # noqa: PLC0415
+
+    teacher, tok, _ = load_model_and_tokenizer(load_preset(cfg.base))
+    rounded = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16).astype(jnp.float32),
+                           state.params)
+    block = init_block(teacher, cfg)
+    graphdef, _ = nnx.split(block, nnx.Param)
+    held = heldout_rows(prepare_data(tok, "heldout", cfg, workdir / "data", separator_id(tok)),
+                        cfg)
+    table = evaluate_block(teacher, graphdef, cfg, rounded, held)
+    model = from_llama(teacher, model_config(cfg, teacher.config))
+    nnx.update(model.core_block, rounded)
+    gguf = smollm2_gguf()
+    manifest = json.loads((corpus.corpus_dir() / "manifest.json").read_text())
+    training = {
+        "recipe": "python -m train_looped.distill", "config": dataclasses.asdict(cfg),
+        "steps": state.step, "tokens_seen": state.tokens_seen,
+        "train_seconds": round(state.elapsed_s, 1),
+        "corpus_sha256": {"train": manifest["train"]["sha256"],
+                          "heldout": manifest["heldout"]["sha256"]},
+        "heldout": table,
+    }
+    base = {"name": "SmolLM2-135M-Instruct", "store": "smollm2", "file": gguf.name,
+            "sha256": _sha256(gguf),
+            "layers": {"prelude": [0, cfg.prelude_layers - 1],
+                       "coda": [cfg.prelude_layers + cfg.replaced_layers,
+                                teacher.config.num_layers - 1],
+                       "replaced_by_the_block": [cfg.prelude_layers,
+                                                 cfg.prelude_layers + cfg.replaced_layers - 1]}}
+    if out.exists():
+        shutil.rmtree(out)
+    save_hf_looped(model, out, base_model=base, dtype=ml_dtypes.bfloat16,
+                   extra={"torch_dtype": "bfloat16", "training": training})
+    tok.save_pretrained(out)
+    shutil.copyfile(workdir / "metrics.jsonl", out / "metrics.jsonl")
+    return out
+
+
+def run() -> None:
+    define_flags()
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
