@@ -28,11 +28,13 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from models.hf_loader import (CONFIG_FILE, SAFETENSORS_FILE, CheckpointError, config_from_json,
-                              load_safetensors_into, read_hf_config_json)
+                              load_hf_llama, load_safetensors_into, read_hf_config_json)
 from models.build import build_looped
+from models.gguf_loader import load_gguf_llama
 from models.config import HF_MODEL_TYPES, LoopedConfig
 from models.families import Target, TensorTable
 from models.looped import LoopedLM
+from models.recursive import from_llama
 
 # Recomputed buffers a checkpoint may hold: Ouro's rotary inv_freq, Raven's persistent
 # `freqs_cis` (RoPE cos/sin table).
@@ -148,8 +150,6 @@ def _sha256(path: str | os.PathLike) -> str:
 
 def _load_base(base: str | os.PathLike, entry: dict, dtype):
     """The base Llama of a block-only checkpoint, its file's sha256 checked."""
-    from models.gguf_loader import load_gguf_llama  # noqa: PLC0415
-    from models.hf_loader import load_hf_llama  # noqa: PLC0415
     base = os.fspath(base)
     if os.path.isfile(base):
         want = entry.get("sha256")
@@ -165,7 +165,6 @@ def _load_base(base: str | os.PathLike, entry: dict, dtype):
 def _load_block_only(path: str, cfg: LoopedConfig, dtype, base, entry: dict) -> LoopedLM:
     """A recursive model whose block comes from `path` and everything else from the base
     Llama: its first prelude_layers layers, its last coda_layers, embedding, norm (and head)."""
-    from models.recursive import from_llama  # noqa: PLC0415
     if cfg.family != "recursive":
         raise CheckpointError(f"{path}: only recursive models are shipped block-only "
                               f"(this config is {cfg.family})")
