@@ -15,12 +15,13 @@ from models.ouro import OuroLM
 from models.raven import RavenLM
 from models.recursive import RecursiveLM
 
-LOOPED_CLASSES: dict[str, type[LoopedLM]] = {cls.family: cls for cls in (OuroLM, RavenLM, RecursiveLM)}
+LOOPED_CLASSES: dict[str, type[LoopedLM]] = {cls.family: cls
+                                             for cls in (OuroLM, RavenLM, RecursiveLM)}
 
 
 def build_looped(cfg: LoopedConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> LoopedLM:
-    """The looped model of `cfg.family` (an `OuroLM`, `RavenLM` or `RecursiveLM`), parameters of `dtype`
-    drawn from `rngs`."""
+    """The looped model of `cfg.family` (an `OuroLM`, `RavenLM` or `RecursiveLM`), parameters
+    of `dtype` drawn from `rngs`."""
     try:
         cls = LOOPED_CLASSES[cfg.family]
     except KeyError:

@@ -140,7 +140,8 @@ def base_model_of(path: str | os.PathLike) -> dict | None:
     return read_hf_config_json(path).get(BASE_MODEL)
 
 
-def _sha256(path: str | os.PathLike) -> str:
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file, read in 4 MB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -153,7 +154,7 @@ def _load_base(base: str | os.PathLike, entry: dict, dtype):
     base = os.fspath(base)
     if os.path.isfile(base):
         want = entry.get("sha256")
-        if want and _sha256(base) != want:
+        if want and file_sha256(base) != want:
             raise CheckpointError(f"{base}: sha256 differs from the base model this checkpoint "
                                   f"was trained on ({entry.get('name', '?')}, sha256 {want})")
         return load_gguf_llama(base, dtype=dtype)

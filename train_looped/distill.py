@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import pathlib
 import sys
@@ -431,14 +430,6 @@ def define_flags() -> None:
     flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
 
-def _sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def main(argv) -> int:
     del argv
     logging.set_verbosity(logging.WARNING)
@@ -502,7 +493,7 @@ def export(cfg: DistillConfig, state, workdir: pathlib.Path, out: pathlib.Path) 
     from lookahead_jax.store.checkpoint import load_model_and_tokenizer  # noqa: PLC0415
     from lookahead_jax.store.model_store import smollm2_gguf  # noqa: PLC0415
     from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
-    from models.looped_loader import save_hf_looped  # noqa: PLC0415
+    from models.looped_loader import file_sha256, save_hf_looped  # noqa: PLC0415
     from models.recursive import from_llama  # noqa: PLC0415
     from train_looped import corpus  # noqa: PLC0415
 
@@ -527,7 +518,7 @@ def export(cfg: DistillConfig, state, workdir: pathlib.Path, out: pathlib.Path) 
         "heldout": table,
     }
     base = {"name": "SmolLM2-135M-Instruct", "store": "smollm2", "file": gguf.name,
-            "sha256": _sha256(gguf),
+            "sha256": file_sha256(gguf),
             "layers": {"prelude": [0, cfg.prelude_layers - 1],
                        "coda": [cfg.prelude_layers + cfg.replaced_layers,
                                 teacher.config.num_layers - 1],
