@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -36,14 +35,16 @@ from benchmarks import common
 from lookahead_jax.prompt_lookup import DEFAULT_TOKENS
 from lookahead_jax.store.presets import load_preset
 from lookahead_jax.tuning import roofline as rf
-from lookahead_jax.tuning.program_cost import ATTENTIONS, ProgramCost, forward_cost, method_cost
+from lookahead_jax.tuning.program_cost import (ATTENTIONS, ProgramCost, method_cost,
+                                              tree_step_cost)
 from lookahead_jax.tuning.scaling_law import ScalingFit, default_fit
 
 RESULTS = os.path.join(common.REPO, "benchmarks", "results")
 LLAMA_PRESETS = ("smollm2_135m", "llama7b", "llama13b", "codellama7b", "codellama13b",
                  "codellama34b", "llama70b")
-LOOPED = (("tiny_ouro", None), ("tiny_raven", None), ("ouro_1p4b", "tiny_ouro"),
-          ("huginn_0125", "tiny_raven"))  # (preset, the tiny model its loop counts come from)
+LOOPED = (("tiny_ouro", None), ("tiny_raven", None), ("smol_loop", None),
+          ("ouro_1p4b", "tiny_ouro"), ("huginn_0125", "tiny_raven"))
+# (preset, the model its loop counts come from: None, its own committed suite run)
 SETTINGS = (("ar", ()), ("lookahead", (("W", 15), ("N", 5), ("G", 15))),
             ("lookahead", (("W", 10), ("N", 5), ("G", 10))),
             ("lookahead", (("W", 7), ("N", 5), ("G", 7))),
@@ -53,7 +54,8 @@ S_DATASETS = ("mt_bench", "humaneval", "gsm8k")  # the sets every committed Smol
 CALIBRATION = ("llama7b", (("W", 15), ("N", 5), ("G", 15)), "A100 80GB SXM")
 SWEEP_W = (1, 2, 3, 5, 7, 10, 15)
 CPU_CACHE_LEN = 256  # about the contexts of the committed SmolLM2 runs (prompt + output)
-LOOPED_METHODS = ("plain", "loopspec", "loopahead")
+LOOPED_METHODS = ("plain", "loopspec", "loopspec_d2", "loopahead", "loopahead_nosched",
+                  "loopahead_nodrafter")  # those in a preset's suite file
 
 
 def label(method: str, settings: tuple) -> str:
@@ -89,14 +91,10 @@ class Costs:
             load_preset(preset).model, method, dict(settings), cache_len=cache_len,
             attention=ATTENTIONS[attention]))
 
-    def loop(self, preset: str, tokens: int, cache_len: int) -> ProgramCost:
-        """One loop of a looped preset at `tokens` nodes per call."""
-        cfg = load_preset(preset).model
-        one = self._get((preset, "loops=1", tokens, cache_len), lambda: forward_cost(
-            cfg, tokens=tokens, cache_len=cache_len, loops=1))
-        two = self._get((preset, "loops=2", tokens, cache_len), lambda: forward_cost(
-            cfg, tokens=tokens, cache_len=cache_len, loops=2))
-        return rf.loop_cost(one, two)
+    def tree_step(self, preset: str, nodes: int, cache_len: int) -> ProgramCost:
+        """One LoopSpec / LoopAhead step of a looped preset over a tree of `nodes` nodes."""
+        return self._get((preset, "tree", nodes, cache_len), lambda: tree_step_cost(
+            load_preset(preset).model, nodes=nodes, cache_len=cache_len))
 
 
 # -- S from the committed measurements ------------------------------------------------------------
@@ -331,7 +329,9 @@ def cpu_section(costs: Costs, here: rf.Device, measured: dict, *, measure_model:
 
 
 def looped_counts(results: str, preset: str) -> dict[str, dict] | None:
-    """method -> pooled loops/advances per token and nodes per call, from suite_<preset>.json."""
+    """method -> pooled loops, steps and advances per token and the tree's capacity (nodes
+    per step), from suite_<preset>.json; None without that file or when its runs predate
+    the capacity field."""
     d = _load(results, f"suite_{preset}.json")
     if d is None:
         return None
@@ -340,12 +340,15 @@ def looped_counts(results: str, preset: str) -> dict[str, dict] | None:
         runs = [r for r in d["runs"] if r["method"] == m and r.get("loops") is not None]
         if not runs:
             continue
-        tokens = sum(r["tokens"] for r in runs)
+        if any("capacity" not in r for r in runs):
+            return None
+        tokens = sum(r["verified"] for r in runs)
         loops = sum(r["loops"] for r in runs)
-        adv = sum(r["advances"] for r in runs)
         meas = [s for s in d["summary"] if s["method"] == m]
-        out[m] = dict(loops_per_token=loops / tokens, advances_per_token=adv / tokens,
-                      nodes_per_call=adv / loops, tokens=tokens,
+        out[m] = dict(loops_per_token=loops / tokens,
+                      steps_per_token=(1.0 if m == "plain" else loops / tokens),
+                      advances_per_token=sum(r["advances"] for r in runs) / tokens,
+                      capacity=max(r["capacity"] for r in runs), tokens=tokens,
                       measured_speedup=(sum(s["tokens"] for s in meas)
                                         / sum(s["tokens"] / s["speedup"] for s in meas)))
     return out
@@ -353,6 +356,10 @@ def looped_counts(results: str, preset: str) -> dict[str, dict] | None:
 
 def looped_rows(costs: Costs, results: str, devices, here: rf.Device | None,
                 cache_len: int, presets) -> tuple[list[dict], dict]:
+    """Per looped preset x device x method: ms per token = steps per token x one step's
+    predicted time. Plain: one step per token running all R loops (`forward_cost`). LoopSpec
+    and LoopAhead: one step per block call, over their tree's capacity (`tree_step_cost`:
+    embedding / prelude, one loop, readout / coda and head at every node)."""
     rows, counts = [], {}
     for name, source in LOOPED:
         if name not in presets:
@@ -362,29 +369,36 @@ def looped_rows(costs: Costs, results: str, devices, here: rf.Device | None,
             counts[src] = looped_counts(results, src)
         c = counts[src]
         if not c or "plain" not in c:
+            print(f"looped: no suite_{src}.json with tree capacities in {results}; {name} "
+                  f"skipped", file=sys.stderr)
             continue
         cfg = load_preset(name).model
         r_tiny = load_preset(src).model.num_loops
-        scale = cfg.num_loops / r_tiny  # loops per token carried over as a ratio to plain's R
-        layers = rf.layers_of(cfg)
+        scale = cfg.num_loops / r_tiny  # tree steps per token carried over as a ratio to R
         devs = list(devices) + ([here] if here is not None and source is None else [])
         for dev in devs:
             itemsize = 4 if dev is here else 2
             per = {}
-            for m in LOOPED_METHODS:
-                if m not in c:
-                    continue
-                nodes = max(1, math.ceil(c[m]["nodes_per_call"] - 1e-9))
-                lpt = c[m]["loops_per_token"] * scale
-                one = costs.loop(name, nodes, cache_len)
-                per[m] = dict(lpt=lpt, nodes=nodes, ms=1e3 * rf.predict_looped_token_time(
-                    lpt, one, dev, itemsize, layers=layers))
+            for m, v in c.items():
+                if m == "plain":
+                    step, spt = costs.method(name, "ar", (), cache_len), 1.0
+                    layers, lpt = rf.pass_layers(cfg, cfg.num_loops), float(cfg.num_loops)
+                else:
+                    step = costs.tree_step(name, v["capacity"], cache_len)
+                    spt = v["steps_per_token"] * scale
+                    layers, lpt = rf.pass_layers(cfg, 1), v["loops_per_token"] * scale
+                per[m] = dict(lpt=lpt, spt=spt, nodes=step.tokens, ms=1e3 *
+                              rf.predict_looped_token_time(spt, step, dev, itemsize,
+                                                           layers=layers),
+                              step_ms=1e3 * rf.predict_step_time(step, dev, itemsize,
+                                                                  layers=layers))
             for m, v in per.items():
                 rows.append(dict(
                     preset=name, loops_from=src + (" (ratio carried over)" if source else
                                                    " (measured here)"),
                     device=dev.name, method=m, loops_per_token=v["lpt"],
-                    nodes_per_call=v["nodes"], ms_per_token=v["ms"],
+                    steps_per_token=v["spt"], nodes_per_step=v["nodes"],
+                    step_ms=v["step_ms"], ms_per_token=v["ms"],
                     speedup=per["plain"]["ms"] / v["ms"],
                     measured_speedup=(c[m]["measured_speedup"] if dev is here else None)))
     return rows, counts
@@ -507,19 +521,23 @@ def render(rec: dict) -> str:
                    for r in c["rows"]]), "", rec["cpu_notes"], ""]
     if rec["looped"]:
         out += ["## Looped models: predicted ms per token", "",
-                "Per-token time = loops per token x one loop call's predicted time at the "
-                "method's nodes per call (a call advancing k tree nodes is one forward of the "
-                "shared block on k tokens). Loops and nodes per call are pooled over the "
-                "committed suite runs of the tiny models (`suite_tiny_ouro.json`, "
-                "`suite_tiny_raven.json`); for ouro_1p4b and huginn_0125 the loops per token "
-                "are the tiny model's ratio to its plain R, carried over to the big model's R "
-                "(an assumption, not a measurement). Embedding and readout heads are not "
-                "counted. 'measured' is the committed speed-up on this CPU.", "",
-                t(["preset", "loops from", "device", "method", "loops/token", "nodes/call",
-                   "ms/token", "speed-up", "measured"],
+                "Per-token time = steps per token x one step's predicted time. Plain "
+                "decoding: one step per token, all R loops (and the prelude, coda and head) "
+                "in it. LoopSpec / LoopAhead: one step per call of the shared block, over the "
+                "whole candidate tree (its capacity: every slot is computed), with the "
+                "embedding or prelude before the call and the readout (coda, head) at every "
+                "node after it (`program_cost.tree_step_cost`; the K/V writes and the "
+                "drafter are not counted). Steps per token are pooled over the committed "
+                "suite runs (`suite_<preset>.json`); for ouro_1p4b and huginn_0125 they are "
+                "the tiny model's ratio to its plain R, carried over to the big model's R "
+                "(an assumption, not a measurement). 'measured' is the committed speed-up on "
+                "this CPU.", "",
+                t(["preset", "loops from", "device", "method", "loops/token", "steps/token",
+                   "nodes/step", "step ms", "ms/token", "speed-up", "measured"],
                   [[r["preset"], r["loops_from"], r["device"], r["method"],
-                    f2(r["loops_per_token"]), r["nodes_per_call"], f2(r["ms_per_token"], 3),
-                    f2(r["speedup"]), f2(r["measured_speedup"])] for r in rec["looped"]]), ""]
+                    f2(r["loops_per_token"]), f2(r["steps_per_token"]), r["nodes_per_step"],
+                    f2(r["step_ms"], 3), f2(r["ms_per_token"], 3), f2(r["speedup"]),
+                    f2(r["measured_speedup"])] for r in rec["looped"]]), ""]
     if rec.get("sweep"):
         skipped = rec.get("plot_skipped")
         drawn = f" (not drawn: {skipped})" if skipped else ""

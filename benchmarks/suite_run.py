@@ -86,6 +86,7 @@ def _record(ds: str, i: int, spec: MethodSpec, method: Method, res, plain_tokens
            "step_tokens": cfg.step_tokens if cfg else 1}
     if r_full is not None:
         rec["loops"], rec["advances"], rec["verified"] = loop_counts(method, res, r_full)
+        rec["capacity"] = st.extra.get("capacity", 1)  # tree nodes per step (plain: 1 token)
     return rec
 
 

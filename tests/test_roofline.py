@@ -10,7 +10,9 @@ import pytest
 
 from lookahead_jax.store.presets import load_preset
 from lookahead_jax.tuning import roofline as rf
-from lookahead_jax.tuning.program_cost import ProgramCost, method_cost
+from lookahead_jax.tuning.program_cost import (ProgramCost, forward_cost, method_cost,
+                                              tree_step_cost)
+from models.config import ConfigError, LoopedConfig
 
 
 def _cost(flops: float, nbytes: float, weight_bytes: int = 1000, cache_bytes: int = 0,
@@ -93,15 +95,46 @@ def test_llama13b_does_not_fit_an_l4():
     assert rf.fits(nbytes, rf.device("A100 40GB SXM"))
 
 
-def test_looped_token_time_scales_with_loops_per_token():
+def test_looped_token_time_is_steps_per_token_times_a_step():
     dev = rf.Device("toy", 1e6, 10.0, 1e9, "toy", overhead_s=0.01)
-    one, two = _cost(5.0, 30.0, itemsize=2), _cost(9.0, 50.0, itemsize=2)
-    loop = rf.loop_cost(one, two)
-    assert (loop.flops, loop.bytes_accessed) == (4.0, 20.0)
-    t1 = rf.predict_looped_token_time(1.0, loop, dev, 2, layers=2)
+    step = _cost(4.0, 20.0, itemsize=2)
+    t1 = rf.predict_looped_token_time(1.0, step, dev, 2, layers=2)
     assert t1 == pytest.approx(2.0 + 0.02)
-    assert rf.predict_looped_token_time(4.0, loop, dev, 2, layers=2) == pytest.approx(4 * t1)
-    assert rf.predict_looped_token_time(0.25, loop, dev, 2, layers=2) == pytest.approx(t1 / 4)
+    assert rf.predict_looped_token_time(4.0, step, dev, 2, layers=2) == pytest.approx(4 * t1)
+    assert rf.predict_looped_token_time(0.25, step, dev, 2, layers=2) == pytest.approx(t1 / 4)
+    with pytest.raises(ValueError):
+        rf.predict_looped_token_time(-1.0, step, dev, 2, layers=2)
+
+
+def test_pass_layers_counts_prelude_and_coda_once():
+    smol = load_preset("smol_loop").model  # prelude 12, a block of 2 x 4 loops, coda 10
+    assert rf.pass_layers(smol, smol.num_loops) == 30  # SmolLM2's own depth
+    assert rf.pass_layers(smol, 1) == 24
+    ouro = load_preset("tiny_ouro").model
+    assert rf.pass_layers(ouro, 1) == ouro.loop_layers
+    assert rf.pass_layers(ouro, ouro.num_loops) == ouro.num_loops * ouro.loop_layers
+
+
+RECURSIVE = LoopedConfig(family="recursive", vocab_size=512, hidden_size=64,
+                         intermediate_size=128, num_heads=4, num_kv_heads=2, num_loops=4,
+                         prelude_layers=2, core_layers=1, coda_layers=2, rope_theta=1e4,
+                         tie_word_embeddings=True, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_ids=(2,))
+
+
+def test_tree_step_reads_the_prelude_block_and_coda():
+    """A tree step runs the prelude, one loop and the coda with the head: it reads about every
+    weight once, more than a pass of one loop without the readout, and its FLOPs grow with
+    the tree's nodes."""
+    step = tree_step_cost(RECURSIVE, nodes=8, cache_len=64)
+    one_loop = forward_cost(RECURSIVE, tokens=8, cache_len=64, loops=1)
+    assert step.tokens == 8 and step.weight_bytes > 0
+    assert step.bytes_accessed >= 0.9 * step.weight_bytes
+    assert step.bytes_accessed > one_loop.bytes_accessed
+    assert step.flops > one_loop.flops
+    assert tree_step_cost(RECURSIVE, nodes=16, cache_len=64).flops > 1.5 * step.flops
+    with pytest.raises(ConfigError):
+        tree_step_cost(load_preset("smollm2_135m").model, nodes=4, cache_len=64)
 
 
 def test_quick_benchmark_writes_json_and_markdown(tmp_path):

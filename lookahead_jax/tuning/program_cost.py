@@ -53,6 +53,7 @@ from lookahead_jax.generation import cache_length_for
 from lookahead_jax.lookahead.config import LookaheadConfig
 from lookahead_jax.lookahead.layout import StepLayout
 from lookahead_jax.lookahead.mask import StepMask, as_dense, dense_attention
+from lookahead_jax.looped.tree import LoopTree
 from lookahead_jax.prompt_lookup import DEFAULT_TOKENS
 from models.build import build_looped
 from models.config import ConfigError, LlamaConfig, LoopedConfig
@@ -248,6 +249,13 @@ def forward_cost(model_config: LlamaConfig | LoopedConfig, *, tokens: int, cache
             weight_bytes_per_device=bytes_per_device_from_specs(params, p_specs, sizes),
             cache_bytes_per_device=bytes_per_device_from_specs(
                 kv, (c_specs.k, c_specs.v), sizes))
+    return _read_cost(compiled, params, kv, tokens=tokens, cache_len=cache_len, cache_size=size,
+                      itemsize=dtype.itemsize, **per_device)
+
+
+def _read_cost(compiled, params, kv, **fields) -> ProgramCost:
+    """A ProgramCost from a compiled program's cost and memory analyses; params and kv: the
+    weights and the cache's K/V arrays (their whole sizes)."""
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     mem = compiled.memory_analysis()
@@ -257,8 +265,7 @@ def forward_cost(model_config: LlamaConfig | LoopedConfig, *, tokens: int, cache
         argument_bytes=int(getattr(mem, "argument_size_in_bytes", 0)),
         output_bytes=int(getattr(mem, "output_size_in_bytes", 0)),
         temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0)),
-        tokens=tokens, cache_len=cache_len, cache_size=size, itemsize=dtype.itemsize,
-        backend=jax.default_backend(), **per_device)
+        backend=jax.default_backend(), **fields)
 
 
 def fused_attention_traffic(q, k, v, mask, cache_k=None, cache_v=None, **rules):
@@ -314,3 +321,50 @@ def method_cost(model_config: LlamaConfig | LoopedConfig, method: str,
     return forward_cost(model_config, tokens=shape.tokens, cache_len=cache_len, dtype=dtype,
                         batch=batch, layout=shape.layout, logits_rows=shape.logits_rows,
                         attention=attention, mesh=mesh)
+
+
+def tree_step_cost(model_config: LoopedConfig, *, nodes: int, cache_len: int,
+                   dtype=jnp.float32, batch: int = 1) -> ProgramCost:
+    """The forward pass of one LoopSpec / LoopAhead step of a looped model: a tree of `nodes`
+    nodes (the method's static capacity; every slot is computed) at mixed loop depths over a
+    cache holding `cache_len` committed tokens. It is what `looped.tree.loop_advance` runs:
+    the embedding (Raven, recursive: the prelude), one call of the shared block with per-node
+    depths (so its attention reads every loop's cache slots, masked), and the readout at each
+    node's new depth (Raven, recursive: the coda; then the LM head) for every node.
+
+    Not counted, as in `forward_cost`: the K/V writes into the cache (XLA counts a scatter as
+    touching its whole operand), the drafter (LoopAhead's LAD: two small layers at the
+    drafting rows) and the tree's bookkeeping, which move kilobytes."""
+    if not isinstance(model_config, LoopedConfig):
+        raise ConfigError("program cost: a tree step is for looped models")
+    if nodes < 1 or cache_len < 0 or batch < 1:
+        raise ConfigError(f"program cost: need nodes >= 1, cache_len >= 0, batch >= 1; got "
+                          f"{nodes}, {cache_len}, {batch}")
+    dtype = _dtype(dtype)
+    graphdef, params = abstract_model(model_config, dtype)
+    r_full = model_config.num_loops
+    size = cache_length_for(cache_len, 0, nodes, model_config.max_position_embeddings)
+    cache = jax.eval_shape(lambda: KVCache.init(
+        model_config.cache_slots, batch, size, model_config.num_kv_heads,
+        model_config.head_dim, dtype, per_layer=False))
+    tree = jax.eval_shape(lambda: LoopTree.init(
+        jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32), nodes,
+        model_config.hidden_size, dtype, 1))
+
+    def step(params, cache, tree, length):
+        model = nnx.merge(graphdef, params)
+        cache = cache.replace(length=length)
+        e, _ = model.embed(tree.token, tree.pos,
+                           tree.attention_mask(cache, (~tree.fresh).astype(jnp.int32)), cache)
+        h = jnp.where(tree.fresh[..., None], model.initial_state(e, tree.pos), tree.h)
+        d_in = jnp.minimum(tree.depth, r_full - 1)
+        h, kv = model.advance(h, e, d_in, tree.pos, tree.attention_mask(cache, d_in), cache)
+        d_out = jnp.clip(tree.depth + 1, 1, r_full)
+        logits, coda_kv = model.readout(h, d_out, tree.pos, tree.attention_mask(cache, d_out),
+                                        cache)
+        return logits, h, kv, coda_kv
+
+    compiled = jax.jit(step).lower(params, cache, tree,
+                                   jax.ShapeDtypeStruct((batch,), jnp.int32)).compile()
+    return _read_cost(compiled, params, (cache.k, cache.v), tokens=nodes, cache_len=cache_len,
+                      cache_size=size, itemsize=dtype.itemsize)

@@ -36,10 +36,14 @@ layer of the step's activations [tokens x hidden] over the interconnect (`Device
 (`predict_tp_step_time`). A ring all-reduce sends and receives 2 (n - 1) / n of the buffer per
 device; the collectives' latency is not counted (see `allreduce_time`).
 
-Looped models (Ouro, Raven) spend loops of a shared block per token; a step that advances k
-tree nodes is one call of the block on k tokens, which costs about one loop while memory-bound.
-`predict_looped_token_time` is loops per token x the time of one loop call at the method's
-nodes per call; `loop_cost` turns two compiled passes (1 and 2 loops) into one loop's cost.
+Looped models (Ouro, Raven, recursive Llamas) spend loops of a shared block per token. Plain
+decoding runs every token through all R loops in one step; a LoopSpec / LoopAhead step is one
+call of the block over its whole candidate tree, with the embedding (a prelude) before it and
+the readout (a coda, the LM head) after it, so a step reads the prelude's and the coda's
+weights as well as the block's. `predict_looped_token_time` is steps per token x the time of
+one such step (`program_cost.tree_step_cost`); where the prelude and coda are most of the
+model (smol_loop: 22 of its 24 distinct layers), fewer loops per token need not mean less
+time.
 """
 
 from __future__ import annotations
@@ -291,24 +295,24 @@ def predict_tp_step_time(cost: ProgramCost, dev: Device, cfg: LlamaConfig, items
 
 
 # -- looped models -------------------------------------------------------------------------------
-def loop_cost(one: ProgramCost, two: ProgramCost) -> ProgramCost:
-    """The cost of one loop of a looped model: a pass of 2 loops minus a pass of 1 loop (the
-    same tokens and cache). Weight and cache sizes stay the whole model's."""
-    if (one.tokens, one.cache_len) != (two.tokens, two.cache_len):
-        raise ValueError("loop_cost: the two passes must have the same tokens and cache")
-    return dataclasses.replace(two, flops=max(0.0, two.flops - one.flops),
-                               bytes_accessed=max(0.0, two.bytes_accessed - one.bytes_accessed))
+def pass_layers(cfg: LoopedConfig, loops: int) -> int:
+    """Layers a looped model's pass runs that calls the shared block `loops` times: the
+    prelude and the readout's coda (Raven, recursive) once, the block's layers per loop. Plain
+    decoding runs R loops per token; a LoopSpec / LoopAhead step runs one."""
+    return cfg.prelude_layers + loops * cfg.loop_layers + cfg.coda_layers
 
 
-def predict_looped_token_time(loops_per_token: float, one_loop: ProgramCost, dev: Device,
+def predict_looped_token_time(steps_per_token: float, step: ProgramCost, dev: Device,
                               itemsize: int = 2, *, layers: int) -> float:
-    """Seconds per output token of a looped-model method that calls the shared block
-    `loops_per_token` times per token, each call costing `one_loop` (the loop forward at the
-    method's nodes per call); `layers` is the block's layer count (for the overhead). The
-    embedding and the readouts are not counted."""
-    if loops_per_token < 0:
-        raise ValueError("loops per token must be >= 0")
-    return loops_per_token * predict_step_time(one_loop, dev, itemsize, layers=layers)
+    """Seconds per output token of a looped-model method that runs `steps_per_token` steps
+    per token, each costing `step`: plain decoding, one step per token and R loops in it
+    (`program_cost.forward_cost` at one token); LoopSpec and LoopAhead, one call of the shared
+    block per step over the whole candidate tree, with the embedding (prelude) and the readout
+    (coda, LM head) around it (`program_cost.tree_step_cost` at the tree's capacity).
+    `layers`: the step's layers (`pass_layers`), for the per-layer overhead."""
+    if steps_per_token < 0:
+        raise ValueError("steps per token must be >= 0")
+    return steps_per_token * predict_step_time(step, dev, itemsize, layers=layers)
 
 
 # -- this machine ------------------------------------------------------------------------------
