@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors import safe_open
 
 from models.build import build_looped
 from models.config import ConfigError
@@ -180,30 +181,62 @@ def test_train_select_resume(model, tmp_path):
     assert _drafts(LadDrafter.load(tmp_path / "full")).tolist() == _drafts(drafter).tolist()
 
 
-@pytest.mark.parametrize("head,arch", [("vocab", "heads"), ("model", "heads"),
-                                       ("model", "queries")])
-def test_drafter_file_round_trip(tmp_path, head, arch):
+@pytest.mark.parametrize("head,arch,anchor", [("vocab", "heads", "table"),
+                                              ("model", "heads", "table"),
+                                              ("model", "queries", "table"),
+                                              ("vocab", "queries", "model")])
+def test_drafter_file_round_trip(tmp_path, head, arch, anchor):
     """save_drafter_file then load_drafter_file (or LadDrafter.load of the file): the same
-    parameters, vocabulary, arch and depth, so the same drafts."""
+    parameters, vocabulary, arch, anchor and depth, so the same drafts."""
     shape = DrafterShape(state_size=32, vocab_size=97, hidden_size=32, num_layers=2,
-                         num_heads=2, K=3, draft_vocab=40, head=head, arch=arch)
+                         num_heads=2, K=3, draft_vocab=40, head=head, arch=arch, anchor=anchor)
     vocab = np.sort(np.random.default_rng(1).choice(97, 40, replace=False)).astype(np.int32)
     net = LookaheadDrafter(shape, rngs=nnx.Rngs(5))
     path = tmp_path / "d.safetensors"
     save_drafter_file(path, net, vocab, draft_depth=2, model_family="ouro", model_loops=3)
     got = load_drafter_file(path, CONFIGS["ouro"])
-    assert (got.K, got.head, got.arch, got.draft_depth) == (3, head, arch, 2)
+    assert (got.K, got.head, got.arch, got.anchor, got.draft_depth) == (3, head, arch, anchor, 2)
     assert np.asarray(got.params["vocab"]).tolist() == vocab.tolist()
     for a, b in zip(jax.tree.leaves(nnx.state(net)), jax.tree.leaves(got.params["net"])):
         np.testing.assert_array_equal(a, b)
     want = LadDrafter(net, vocab, draft_depth=2)
     kw = {}
+    rng = np.random.default_rng(2)
     if head == "model":
-        rng = np.random.default_rng(2)
-        kw = dict(extra_ids=jnp.asarray(rng.integers(-1, 97, (4, 5)), jnp.int32),
-                  out_embedding=jnp.asarray(rng.normal(size=(32, 97)), jnp.float32))
+        kw = dict(extra_ids=jnp.asarray(rng.integers(-1, 97, (4, 5)), jnp.int32))
+    if shape.needs_embedding:
+        kw["out_embedding"] = jnp.asarray(rng.normal(size=(32, 97)), jnp.float32)
     assert _drafts(got, **kw).tolist() == _drafts(want, **kw).tolist()
     assert _drafts(LadDrafter.load(path), **kw).tolist() == _drafts(want, **kw).tolist()
+
+
+def test_drafter_file_in_float16(tmp_path):
+    """dtype="float16": the file stores each parameter in half precision (smaller file) and
+    loading gives the float32 network with exactly the float16-rounded parameters, so the
+    drafts of a network rounded the same way in memory."""
+    shape = DrafterShape(state_size=32, vocab_size=97, hidden_size=32, num_layers=2,
+                         num_heads=2, K=3, draft_vocab=40, arch="queries", anchor="model")
+    vocab = np.arange(40, dtype=np.int32)
+    net = LookaheadDrafter(shape, rngs=nnx.Rngs(7))
+    full, half = tmp_path / "f32.safetensors", tmp_path / "f16.safetensors"
+    save_drafter_file(full, net, vocab, draft_depth=1, model_family="ouro", model_loops=3)
+    save_drafter_file(half, net, vocab, draft_depth=1, model_family="ouro", model_loops=3,
+                      dtype="float16")
+    assert half.stat().st_size < 0.6 * full.stat().st_size
+    got = load_drafter_file(half, CONFIGS["ouro"])
+    rounded = jax.tree.map(lambda x: x.astype(jnp.float16).astype(x.dtype), nnx.state(net))
+    changed = False
+    for a, b, c in zip(jax.tree.leaves(rounded), jax.tree.leaves(got.params["net"]),
+                       jax.tree.leaves(nnx.state(net))):
+        assert b.dtype == jnp.float32
+        np.testing.assert_array_equal(a, b)
+        changed |= bool(np.any(np.asarray(b) != np.asarray(c)))
+    assert changed  # the rounding is real, so the equality above is not vacuous
+    nnx.update(net, rounded)
+    emb = jnp.asarray(np.random.default_rng(3).normal(size=(32, 97)), jnp.float32)
+    want = LadDrafter(net, vocab, draft_depth=1)
+    assert (_drafts(got, out_embedding=emb).tolist()
+            == _drafts(want, out_embedding=emb).tolist())
 
 
 def test_drafter_file_refuses_another_model_and_a_damaged_file(tmp_path):
@@ -295,6 +328,17 @@ def test_mismatched_model_is_refused(model, tmp_path):
             progress_bar=False, log=lambda m: None)
 
 
+def _window(b: int, w: int, anchors_below: int):
+    """A random causal drafting window: states [b,w,E], anchors < anchors_below, positions,
+    mask."""
+    rng = np.random.default_rng(0)
+    states = jnp.asarray(rng.normal(size=(b, w, CFG.model_hidden)), jnp.float32)
+    anchors = jnp.asarray(rng.integers(0, anchors_below, (b, w)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((w, w), bool)), (b, w, w))
+    return states, anchors, pos, mask
+
+
 def test_the_papers_drafter_trains(model, tmp_path):
     """arch "queries" (K future query positions, the LAD default) through train_lad: the loss
     falls, the drafter file says its arch, and decoding's drafts are the argmax of its last
@@ -306,16 +350,46 @@ def test_the_papers_drafter_trains(model, tmp_path):
     drafter = LadDrafter.load(tmp_path / "q", model.config)
     assert drafter.arch == "queries" and drafter.K == 2
     net = nnx.merge(drafter.graphdef, drafter.params["net"])
-    rng = np.random.default_rng(0)
-    b, w = 4, 6
-    states = jnp.asarray(rng.normal(size=(b, w, CFG.model_hidden)), jnp.float32)
-    anchors = jnp.asarray(rng.integers(0, 97, (b, w)), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((w, w), bool)), (b, w, w))
+    states, anchors, pos, mask = _window(4, 6, 97)
     want = np.asarray(drafter.params["vocab"])[
         np.asarray(net.features(states, anchors, pos, mask)[:, -1].argmax(-1))]
     got = drafter.draft(drafter.params, states, anchors, pos, mask)
     assert np.asarray(got).tolist() == want.tolist()
+
+
+def test_model_anchor_embeds_anchors_through_the_models_embedding(model, tmp_path):
+    """anchor="model": no vocabulary-sized table in the drafter (its file holds the projection
+    alone); the drafter trains (the loss falls); an anchor is embedded as its column of the
+    output embedding it is given, so changing another token's column changes nothing and
+    changing the anchor's changes the drafts' scores; without the embedding it is refused;
+    a workdir trained with a table anchor is refused."""
+    from lookahead_jax.looped.drafter import output_embedding  # noqa: PLC0415
+    cfg = dataclasses.replace(CFG, anchor="model")
+    run(cfg, tmp_path / "a", model=model, progress_bar=False, log=lambda m: None)
+    losses = _losses(tmp_path / "a")
+    assert losses[8] < losses[1]
+    drafter = LadDrafter.load(tmp_path / "a", model.config)
+    assert drafter.anchor == "model"
+    with safe_open(str(tmp_path / "a" / "drafter.safetensors"), "numpy") as f:
+        names = set(f.keys())
+        assert f.metadata()["anchor"] == "model"
+    assert "anchor_proj.kernel" in names and not any("anchor_embed" in n for n in names)
+    net = nnx.merge(drafter.graphdef, drafter.params["net"])
+    states, anchors, pos, mask = _window(2, 5, 50)
+    table = output_embedding(model)
+    base = np.asarray(net.features(states, anchors, pos, mask, embedding=table))
+    unused = table.at[:, 96].set(5.0)  # token 96 is no anchor here
+    np.testing.assert_array_equal(
+        np.asarray(net.features(states, anchors, pos, mask, embedding=unused)), base)
+    moved = table.at[:, int(anchors[0, -1])].add(1.0)
+    assert not np.allclose(np.asarray(net.features(states, anchors, pos, mask,
+                                                   embedding=moved))[0, -1], base[0, -1])
+    with pytest.raises(ConfigError, match="output embedding"):
+        net.features(states, anchors, pos, mask)
+    run(dataclasses.replace(CFG, steps=4), tmp_path / "t", model=model, progress_bar=False,
+        log=lambda m: None, max_steps_now=1)
+    with pytest.raises(ConfigError, match="anchor = 'table', this one 'model'"):
+        run(cfg, tmp_path / "t", model=model, progress_bar=False, log=lambda m: None)
 
 
 def test_model_head_scores_the_request_tokens(model, tmp_path):

@@ -45,6 +45,8 @@ class LadConfig:
     draft_vocab: int = 1024
     head: str = "vocab"  # "vocab" | "model": the output head (lookahead_jax.looped.drafter)
     arch: str = "queries"  # "queries" (the paper's: K future query positions) | "heads"
+    anchor: str = "table"  # "table" (a trained row per token) | "model" (the model's output
+    # embedding's column, projected: no vocabulary-sized table in the drafter file)
     prompt_len: int = 48
     continuation: int = 32
     num_train: int = 512
@@ -72,6 +74,8 @@ class LadConfig:
             raise ConfigError(f"lad config {self.name}: head must be vocab or model")
         if self.arch not in ("queries", "heads"):
             raise ConfigError(f"lad config {self.name}: arch must be queries or heads")
+        if self.anchor not in ("table", "model"):
+            raise ConfigError(f"lad config {self.name}: anchor must be table or model")
         if self.prompt_source not in ("corpus", "random"):
             raise ConfigError(f"lad config {self.name}: prompt_source must be corpus or random")
 
@@ -104,9 +108,10 @@ CONFIGS = {
     "tiny_raven": for_preset("tiny_raven", "tiny_raven", draft_depth=2, **_TINY),
     # SmolLM2 made recursive (135M parameters, 34 layers deep at R = 4): the same 256-wide
     # drafter on loop 1's states, fewer teacher prompts (its continuations cost a real model's
-    # decoding on the CPU)
+    # decoding on the CPU); anchors embedded through the model's own embedding, so that the
+    # drafter file holds no 49,152-row table (8 MB instead of 58 MB)
     "smol_loop": for_preset("smol_loop", "smol_loop", draft_depth=1, num_train=256, num_dev=32,
-                            num_confirm=32, **_TINY),
+                            num_confirm=32, anchor="model", **_TINY),
 }
 
 

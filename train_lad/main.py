@@ -1,7 +1,8 @@
 """Train a lookahead drafter (LAD) for a frozen looped model:
 
     python -m train_lad.main --config=tiny_ouro [--workdir=...] [--steps=...] [--ckpt=...]
-                             [--arch=queries|heads]
+                             [--arch=queries|heads] [--anchor=table|model]
+                             [--export_dtype=float32|float16]
 
 Steps: load the looped model named by the config (refused, with the field named, when its
 shape differs from the config's), build the data once (`train_lad.data`: prompts, the model's
@@ -12,7 +13,9 @@ the workdir: `drafter.safetensors` (the drafter chosen on the development split,
 training ends: the file decoding loads, `--method=loopahead --lad=<workdir>`,
 `lookahead_jax.looped.drafter.load_drafter_file`), `summary.json`, `lad_config.json` (the run's
 settings), and for resuming `best/`, `latest/` (Orbax) and `data.npz` (the teacher data and
-the draft vocabulary).
+the draft vocabulary). `--export_dtype=float16` stores the drafter's parameters in half the
+bytes (the shipped drafters in `checkpoints/`); a finished workdir run again with it rewrites
+`drafter.safetensors` and `summary.json` without training.
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ def define_flags() -> None:
     flags.DEFINE_enum("arch", None, ["queries", "heads"], "The drafter's arch, overriding the "
                       "config's: queries (the paper's K future query positions) or heads (K "
                       "linear heads on the last position, the ablation).")
+    flags.DEFINE_enum("export_dtype", "float32", ["float32", "float16"], "The dtype of the "
+                      "drafter file's parameters (float16: half the file)")
+    flags.DEFINE_enum("anchor", None, ["table", "model"], "The drafter's anchor embedding, "
+                      "overriding the config's: table (a trained row per token) or model (the "
+                      "looped model's output embedding, projected).")
 
 
 def base_fingerprint(model) -> dict:
@@ -118,9 +126,9 @@ def build_data(cfg: lad_config.LadConfig, model, tokenizer, workdir: pathlib.Pat
 
 
 # the settings a workdir's checkpoints and data depend on: another value needs a fresh workdir
-DRAFTER_SETTINGS = ("arch", "head", "K", "hidden_size", "num_layers", "num_heads", "draft_vocab",
-                    "draft_depth", "prompt_len", "continuation", "num_train", "num_dev",
-                    "num_confirm", "prompt_source", "seed")
+DRAFTER_SETTINGS = ("arch", "head", "anchor", "K", "hidden_size", "num_layers", "num_heads",
+                    "draft_vocab", "draft_depth", "prompt_len", "continuation", "num_train",
+                    "num_dev", "num_confirm", "prompt_source", "seed")
 
 
 def check_drafter_settings(cfg: lad_config.LadConfig, workdir: pathlib.Path) -> None:
@@ -129,7 +137,8 @@ def check_drafter_settings(cfg: lad_config.LadConfig, workdir: pathlib.Path) -> 
     path = workdir / "lad_config.json"
     if not path.exists():
         return
-    before = json.loads(path.read_text())
+    before = {"arch": "heads", "anchor": "table",  # runs from before these settings
+              **json.loads(path.read_text())}
     for field in DRAFTER_SETTINGS:
         if field in before and before[field] != getattr(cfg, field):
             raise ConfigError(f"{workdir}: its run had {field} = {before[field]!r}, this one "
@@ -138,7 +147,7 @@ def check_drafter_settings(cfg: lad_config.LadConfig, workdir: pathlib.Path) -> 
 
 def run(cfg: lad_config.LadConfig, workdir, *, ckpt: str | None = None, log=print,
         progress_bar: bool = True, model=None, tokenizer=None,
-        max_steps_now: int | None = None) -> dict:
+        max_steps_now: int | None = None, export_dtype: str | None = None) -> dict:
     """The whole job (see the module docstring). model: an already loaded looped model to
     use instead of the config's (checked against the config the same way)."""
     workdir = pathlib.Path(workdir)
@@ -153,12 +162,12 @@ def run(cfg: lad_config.LadConfig, workdir, *, ckpt: str | None = None, log=prin
     (workdir / "lad_config.json").write_text(json.dumps(
         {**dataclasses.asdict(cfg), "base": fingerprint}, indent=1) + "\n")
     out_embedding = None
-    if cfg.head == "model":
+    if cfg.head == "model" or cfg.anchor == "model":
         from lookahead_jax.looped.drafter import output_embedding  # noqa: PLC0415
         out_embedding = np.asarray(output_embedding(model), np.float32)
     summary = train(cfg, data, vocab, workdir, base_fingerprint=fingerprint, log=log,
                     progress_bar=progress_bar, max_steps_now=max_steps_now,
-                    out_embedding=out_embedding)
+                    out_embedding=out_embedding, export_dtype=export_dtype)
     log(json.dumps(summary))
     return summary
 
@@ -173,8 +182,11 @@ def main(argv) -> int:
             cfg = dataclasses.replace(cfg, steps=FLAGS.steps)
         if FLAGS.arch is not None:
             cfg = dataclasses.replace(cfg, arch=FLAGS.arch)
+        if FLAGS.anchor is not None:
+            cfg = dataclasses.replace(cfg, anchor=FLAGS.anchor)
         workdir = FLAGS.workdir or os.path.join(default_cache_dir(), "train_lad", cfg.name)
-        run(cfg, workdir, ckpt=FLAGS.ckpt, log=lambda m: print(m, file=sys.stderr))
+        run(cfg, workdir, ckpt=FLAGS.ckpt, log=lambda m: print(m, file=sys.stderr),
+            export_dtype=FLAGS.export_dtype)
     except ConfigError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -41,7 +41,7 @@ def drafter_shape(cfg: LadConfig, draft_vocab: int) -> DrafterShape:
     return DrafterShape(state_size=cfg.model_hidden, vocab_size=cfg.model_vocab,
                         hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                         num_heads=cfg.num_heads, K=cfg.K, draft_vocab=draft_vocab,
-                        head=cfg.head, arch=cfg.arch)
+                        head=cfg.head, arch=cfg.arch, anchor=cfg.anchor)
 
 
 def targets(tokens: jax.Array, native: jax.Array, table: jax.Array, prompt_len: int, K: int
@@ -61,13 +61,15 @@ def targets(tokens: jax.Array, native: jax.Array, table: jax.Array, prompt_len: 
     return jnp.maximum(tgt, 0), valid, anchor_ok
 
 
-def forward(model: LookaheadDrafter, batch: dict, out_emb: jax.Array | None) -> jax.Array:
-    """out_emb [E_model, Vd]: head "model"'s output-embedding columns (None for "vocab")."""
+def forward(model: LookaheadDrafter, batch: dict, out_emb: jax.Array | None,
+            emb: jax.Array | None = None) -> jax.Array:
+    """out_emb [E_model, Vd]: head "model"'s output-embedding columns (None for "vocab");
+    emb [E_model, V]: the whole output embedding, for anchor "model" (None for "table")."""
     states = batch["states"].astype(jnp.float32)
     b, t = batch["tokens"].shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     mask = causal_mask(jnp.full((b,), t, jnp.int32), t)
-    return model(states, batch["native"], pos, mask, out_emb)
+    return model(states, batch["native"], pos, mask, out_emb, emb)
 
 
 def accepted_prefix(logits, tgt, valid, anchor_ok, counted_len):
@@ -79,9 +81,9 @@ def accepted_prefix(logits, tgt, valid, anchor_ok, counted_len):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "tx", "prompt_len", "K"))
-def train_step(params, opt_state, batch, table, out_emb, *, graphdef, tx, prompt_len, K):
+def train_step(params, opt_state, batch, table, out_emb, emb, *, graphdef, tx, prompt_len, K):
     def loss_fn(p):
-        logits = forward(nnx.merge(graphdef, p), batch, out_emb)
+        logits = forward(nnx.merge(graphdef, p), batch, out_emb, emb)
         tgt, valid, _ = targets(batch["tokens"], batch["native"], table, prompt_len, K)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, tgt)
         return (ce * valid).sum() / jnp.maximum(valid.sum(), 1)
@@ -92,8 +94,8 @@ def train_step(params, opt_state, batch, table, out_emb, *, graphdef, tx, prompt
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len", "K"))
-def eval_step(params, batch, table, out_emb, *, graphdef, prompt_len, K):
-    logits = forward(nnx.merge(graphdef, params), batch, out_emb)
+def eval_step(params, batch, table, out_emb, emb, *, graphdef, prompt_len, K):
+    logits = forward(nnx.merge(graphdef, params), batch, out_emb, emb)
     tgt, valid, anchor_ok = targets(batch["tokens"], batch["native"], table, prompt_len, K)
     b, t = batch["tokens"].shape
     pos = jnp.arange(t)
@@ -102,12 +104,12 @@ def eval_step(params, batch, table, out_emb, *, graphdef, prompt_len, K):
 
 
 def evaluate(params, graphdef, data: dict, table, cfg: LadConfig, batch_size: int = 32,
-             out_emb: jax.Array | None = None) -> float:
+             out_emb: jax.Array | None = None, emb: jax.Array | None = None) -> float:
     """Average accepted prefix length (anchor included) over a split."""
     total = count = 0.0
     for i in range(0, len(data["tokens"]), batch_size):
         batch = {k: jnp.asarray(v[i:i + batch_size]) for k, v in data.items()}
-        s, n = eval_step(params, batch, table, out_emb, graphdef=graphdef,
+        s, n = eval_step(params, batch, table, out_emb, emb, graphdef=graphdef,
                          prompt_len=cfg.prompt_len, K=cfg.K)
         total += float(s)
         count += float(n)
@@ -184,24 +186,30 @@ def check_workdir(workdir, base_fingerprint: dict) -> None:
 
 def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdir, *,
           base_fingerprint: dict, log=print, progress_bar: bool = True,
-          max_steps_now: int | None = None, out_embedding: np.ndarray | None = None) -> dict:
+          max_steps_now: int | None = None, out_embedding: np.ndarray | None = None,
+          export_dtype: str | None = None) -> dict:
     """Trains (or resumes) a drafter on `data` (split -> tokens/states/native arrays).
 
     base_fingerprint: what identifies the frozen model (its config and a weights digest);
     a workdir made with another model is refused. max_steps_now: stop after this many steps
     of this call (saving a checkpoint, as Ctrl-C does); the next call resumes.
-    out_embedding [E_model, V]: the frozen model's output embedding (`head="model"` only).
+    out_embedding [E_model, V]: the frozen model's output embedding (head or anchor "model"
+    only).
     Once all cfg.steps are done, writes the best checkpoint's drafter to
-    `<workdir>/drafter.safetensors`. Returns a summary dict."""
+    `<workdir>/drafter.safetensors` (its parameters in export_dtype, e.g. "float16", when
+    given: the confirmation split is then scored with the parameters rounded to it, as
+    decoding will load them). Returns a summary dict."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     table = jnp.asarray(_table(draft_vocab, cfg.model_vocab))
-    out_emb = None
-    if cfg.head == "model":
+    out_emb = emb = None
+    if cfg.head == "model" or cfg.anchor == "model":
         if out_embedding is None:
-            raise ConfigError(f"lad config {cfg.name}: head=model needs the looped model's "
-                              f"output embedding")
-        out_emb = jnp.asarray(np.asarray(out_embedding, np.float32)[:, draft_vocab])
+            raise ConfigError(f"lad config {cfg.name}: head or anchor 'model' needs the looped "
+                              f"model's output embedding")
+        emb = jnp.asarray(np.asarray(out_embedding, np.float32))
+        out_emb = emb[:, draft_vocab] if cfg.head == "model" else None
+        emb = emb if cfg.anchor == "model" else None
     model = LookaheadDrafter(drafter_shape(cfg, len(draft_vocab)), rngs=nnx.Rngs(cfg.seed))
     graphdef, params = nnx.split(model)
     tx = make_tx(cfg)
@@ -239,14 +247,15 @@ def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdi
             rng = np.random.default_rng([cfg.seed, prog.step])
             idx = rng.choice(n, size=min(cfg.batch_size, n), replace=False)
             batch = {k: jnp.asarray(v[idx]) for k, v in train_d.items()}
-            params, opt_state, loss = train_step(params, opt_state, batch, table, out_emb,
+            params, opt_state, loss = train_step(params, opt_state, batch, table, out_emb, emb,
                                                  graphdef=graphdef, tx=tx,
                                                  prompt_len=cfg.prompt_len, K=cfg.K)
             prog.step += 1
             record: dict[str, Any] = {"step": prog.step, "loss": float(loss),
                                       "elapsed_s": time.perf_counter() - t0}
             if prog.step % cfg.eval_every == 0 or prog.step == cfg.steps:
-                dev = evaluate(params, graphdef, data["dev"], table, cfg, out_emb=out_emb)
+                dev = evaluate(params, graphdef, data["dev"], table, cfg, out_emb=out_emb,
+                               emb=emb)
                 record["dev_accepted_prefix"] = dev
                 meta = {"step": prog.step, "base": base_fingerprint}
                 if dev > prog.best_dev:
@@ -269,16 +278,19 @@ def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdi
     best = Checkpoints.restore(ckpt.best, {"params": params})
     ckpt.close()
     best_params = best[0]["params"] if best else params
+    if export_dtype is not None:
+        best_params = jax.tree.map(lambda x: x.astype(export_dtype).astype(x.dtype), best_params)
     summary = {"step": prog.step, "best_step": prog.best_step, "dev_accepted_prefix": prog.best_dev}
     if prog.step >= cfg.steps:
         drafter = workdir / DRAFTER_FILE
         save_drafter_file(drafter, nnx.merge(graphdef, best_params), draft_vocab,
                           draft_depth=cfg.draft_depth, model_family=cfg.model_family,
-                          model_loops=cfg.model_loops)
+                          model_loops=cfg.model_loops, dtype=export_dtype)
+        summary["export_dtype"] = export_dtype or "float32"
         log(f"drafter (step {prog.best_step}): {drafter}")
     if "confirm" in data and len(data["confirm"]["tokens"]):
         summary["confirm_accepted_prefix"] = evaluate(best_params, graphdef, data["confirm"],
-                                                      table, cfg, out_emb=out_emb)
+                                                      table, cfg, out_emb=out_emb, emb=emb)
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 

@@ -17,6 +17,15 @@ Two ways to make the K drafts (`DrafterShape.arch`):
   each position's queries to their own context); decoding builds the last position's.
 - "heads" (the ablation): K linear heads on the drafting position's own final state.
 
+Two anchor embeddings (`DrafterShape.anchor`):
+
+- "table": a trained table with one row per token of the model's vocabulary (vocab x width:
+  12.6 M parameters for a 49,152-token vocabulary at width 256).
+- "model": the anchor's column of the frozen model's output embedding (`output_embedding`),
+  projected to the drafter's width by a trained matrix (model width x drafter width): the
+  drafter file then holds no per-token table, and every token has an embedding the model
+  learnt.
+
 Two output heads (`DrafterShape.head`):
 
 - "vocab": a trained matrix with one column per draft-vocabulary token. It has no logit for
@@ -33,9 +42,9 @@ The drafter file (`save_drafter_file` / `load_drafter_file`): one safetensors fi
 network's parameters by dotted path (`state_proj.kernel`, `layers.0.mlp.up_proj.kernel`, ...)
 and `draft_vocab` (int32 ids in the looped model's vocabulary). Metadata (strings): `format`
 (`lookahead_jax.drafter/1`), the network's shape (`state_size`, `vocab_size`, `hidden_size`,
-`num_layers`, `num_heads`, `K`, `head`, `arch`; a file without `arch` holds a "heads"
-drafter) and the looped model it drafts for (`model_family`,
-`model_loops`, and `draft_depth`: the loop whose states feed it).
+`num_layers`, `num_heads`, `K`, `head`, `arch`, `anchor`; a file without `arch` holds a
+"heads" drafter, one without `anchor` a "table" one) and the looped model it drafts for
+(`model_family`, `model_loops`, and `draft_depth`: the loop whose states feed it).
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ from models.llama import DecoderLayer
 
 HEADS = ("vocab", "model")
 ARCHS = ("heads", "queries")
+ANCHORS = ("table", "model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +80,22 @@ class DrafterShape:
     draft_vocab: int
     head: str = "vocab"  # "vocab" | "model" (see the module docstring)
     arch: str = "heads"  # "heads" | "queries" (see the module docstring)
+    anchor: str = "table"  # "table" | "model" (see the module docstring)
 
     def __post_init__(self):
         if self.head not in HEADS:
             raise ConfigError(f"drafter head must be one of {', '.join(HEADS)}, got {self.head!r}")
         if self.arch not in ARCHS:
             raise ConfigError(f"drafter arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
+        if self.anchor not in ANCHORS:
+            raise ConfigError(f"drafter anchor must be one of {', '.join(ANCHORS)}, got "
+                              f"{self.anchor!r}")
+
+    @property
+    def needs_embedding(self) -> bool:
+        """Whether the network reads the looped model's output embedding (head or anchor
+        "model"): `features` and `__call__` then take it."""
+        return self.head == "model" or self.anchor == "model"
 
     def block_config(self) -> LlamaConfig:
         return LlamaConfig(vocab_size=self.draft_vocab, hidden_size=self.hidden_size,
@@ -92,9 +112,13 @@ class LookaheadDrafter(nnx.Module):
         self.state_proj = nnx.Linear(shape.state_size, shape.hidden_size, dtype=dtype,
                                      param_dtype=dtype, rngs=rngs)
         self.state_norm = RMSNorm(shape.state_size, 1e-6, dtype=dtype)
-        self.anchor_embed = nnx.Embed(shape.vocab_size, shape.hidden_size, dtype=dtype,
-                                      param_dtype=dtype, rngs=rngs,
-                                      embedding_init=nnx.initializers.normal(0.02))
+        if shape.anchor == "table":
+            self.anchor_embed = nnx.Embed(shape.vocab_size, shape.hidden_size, dtype=dtype,
+                                          param_dtype=dtype, rngs=rngs,
+                                          embedding_init=nnx.initializers.normal(0.02))
+        else:  # "model": the anchor's column of the model's output embedding, projected
+            self.anchor_proj = nnx.Linear(shape.state_size, shape.hidden_size, use_bias=False,
+                                          dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(blk, dtype=dtype, rngs=rngs)
                                 for _ in range(shape.num_layers)])
         self.norm = RMSNorm(shape.hidden_size, 1e-6, dtype=dtype)
@@ -108,15 +132,28 @@ class LookaheadDrafter(nnx.Module):
             self.query_head = nnx.Linear(shape.hidden_size, width, dtype=dtype,
                                          param_dtype=dtype, rngs=rngs)
 
+    def embed_anchors(self, anchors: jax.Array, embedding: jax.Array | None) -> jax.Array:
+        """anchors [B,T] -> [B,T,H]: the anchor table's rows, or (anchor "model") the anchors'
+        columns of embedding [E_model, V] (`output_embedding`), projected."""
+        if self.shape.anchor == "table":
+            return self.anchor_embed(anchors)
+        if embedding is None:
+            raise ConfigError("a drafter with anchor 'model' needs the looped model's output "
+                              "embedding")
+        cols = jnp.take(embedding, anchors, axis=1)  # [E,B,T]
+        return self.anchor_proj(jnp.moveaxis(cols, 0, -1).astype(self.anchor_proj.kernel.dtype))
+
     def features(self, states: jax.Array, anchors: jax.Array, positions: jax.Array,
-                 mask: jax.Array, last_only: bool = False) -> jax.Array:
-        """states [B,T,E_model]; anchors, positions [B,T] int32; mask [B,T,T] bool (causal).
+                 mask: jax.Array, last_only: bool = False,
+                 embedding: jax.Array | None = None) -> jax.Array:
+        """states [B,T,E_model]; anchors, positions [B,T] int32; mask [B,T,T] bool (causal);
+        embedding [E_model, V]: the looped model's `output_embedding` (anchor "model" only).
         Returns [B,T,K,F] float32 for tokens t + 1 + k (k = 1..K): head "vocab", the logits
         over the draft vocabulary (F = Vd); head "model", vectors to score against the looped
         model's output embedding (F = E_model). last_only: the last position's alone
         ([B,1,K,F], the same values): the last layer then computes only the other positions'
         K/V, not their queries, attention outputs and MLP (decoding drafts at one position)."""
-        x = self.state_proj(self.state_norm(states)) + self.anchor_embed(anchors)
+        x = self.state_proj(self.state_norm(states)) + self.embed_anchors(anchors, embedding)
         if self.shape.arch == "queries":
             return self._query_features(x, positions, mask, last_only)
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.block_cfg))
@@ -169,10 +206,12 @@ class LookaheadDrafter(nnx.Module):
         return f.reshape(b, at.shape[0], K, -1)
 
     def __call__(self, states: jax.Array, anchors: jax.Array, positions: jax.Array,
-                 mask: jax.Array, out_emb: jax.Array | None = None) -> jax.Array:
+                 mask: jax.Array, out_emb: jax.Array | None = None,
+                 embedding: jax.Array | None = None) -> jax.Array:
         """As `features`; returns logits [B,T,K,Vd] float32 over the draft vocabulary. Head
-        "model" needs out_emb [E_model, Vd]: the output embedding's draft-vocabulary columns."""
-        f = self.features(states, anchors, positions, mask)
+        "model" needs out_emb [E_model, Vd]: the output embedding's draft-vocabulary columns;
+        anchor "model" needs embedding [E_model, V]: the whole output embedding."""
+        f = self.features(states, anchors, positions, mask, embedding=embedding)
         if self.shape.head == "vocab":
             return f
         return model_head_scores(f, out_emb)
@@ -210,6 +249,7 @@ class LadDrafter:
         self.K = model.shape.K
         self.head = model.shape.head
         self.arch = model.shape.arch
+        self.anchor = model.shape.anchor
         self.draft_depth = int(draft_depth)
 
     def draft(self, params, states, anchors, positions, mask, *, extra_ids=None,
@@ -218,11 +258,13 @@ class LadDrafter:
         anchor of the last window position, [B,K] (full-vocabulary ids): each the argmax over
         the draft vocabulary and, with head "model", over extra_ids [B,X] too (the request's
         own tokens; -1: an empty slot), every token scored against out_embedding [E,V] (the
-        looped model's). Head "vocab" has a logit for its own vocabulary's tokens only, so it
-        ignores extra_ids."""
+        looped model's `output_embedding`, which anchor "model" embeds the anchors with too).
+        Head "vocab" has a logit for its own vocabulary's tokens only, so it ignores
+        extra_ids."""
         net = nnx.merge(self.graphdef, params["net"])
         vocab = params["vocab"]
-        f = net.features(states, anchors, positions, mask, last_only=True)[:, -1]  # [B,K,F]
+        f = net.features(states, anchors, positions, mask, last_only=True,
+                         embedding=out_embedding)[:, -1]  # [B,K,F]
         if self.head == "vocab":
             return vocab[jnp.argmax(f, axis=-1)]
         w = out_embedding.astype(jnp.float32)
@@ -277,11 +319,12 @@ def _tensor_name(path) -> str:
 
 
 def save_drafter_file(path, net: LookaheadDrafter, draft_vocab, *, draft_depth: int,
-                      model_family: str, model_loops: int) -> None:
+                      model_family: str, model_loops: int, dtype=None) -> None:
     """Writes the drafter network `net`, its draft vocabulary (ids in the looped model's
     vocabulary, one per draft-vocabulary column) and the looped model it drafts for (family,
     loop count, and draft_depth: the loop whose states feed it) to the safetensors file `path`
-    (replaced atomically). Format: the module docstring."""
+    (replaced atomically). Format: the module docstring. dtype (e.g. "float16"): the
+    parameters are stored in it (half the file; loading casts them to the network's dtype)."""
     shape = net.shape
     vocab = np.asarray(draft_vocab)
     if vocab.ndim != 1 or len(vocab) != shape.draft_vocab:
@@ -289,11 +332,12 @@ def save_drafter_file(path, net: LookaheadDrafter, draft_vocab, *, draft_depth: 
                          f"draft-vocabulary tokens")
     if not 1 <= draft_depth < model_loops:
         raise ValueError(f"draft_depth must be in [1, {model_loops}), got {draft_depth}")
-    tensors = {_tensor_name(p): np.asarray(v.get_value())
+    tensors = {_tensor_name(p): np.asarray(v.get_value(), dtype)
                for p, v in nnx.to_flat_state(nnx.state(net, nnx.Param))}
     tensors[VOCAB_TENSOR] = vocab.astype(np.int32)
     meta = {"format": DRAFTER_FORMAT, **{k: str(getattr(shape, k)) for k in _SHAPE_META},
-            "head": shape.head, "arch": shape.arch, "draft_depth": str(int(draft_depth)),
+            "head": shape.head, "arch": shape.arch, "anchor": shape.anchor,
+            "draft_depth": str(int(draft_depth)),
             "model_family": str(model_family), "model_loops": str(int(model_loops))}
     path = os.fspath(path)
     tmp = f"{path}.tmp"
@@ -334,6 +378,10 @@ def load_drafter_file(path, model_config=None) -> LadDrafter:
     if arch not in ARCHS:
         raise ConfigError(f"drafter file {path}: metadata arch is {arch!r}, expected "
                           f"'heads' or 'queries'")
+    anchor = meta.get("anchor", "table")  # files written before the "model" anchor
+    if anchor not in ANCHORS:
+        raise ConfigError(f"drafter file {path}: metadata anchor is {anchor!r}, expected "
+                          f"'table' or 'model'")
     if not meta.get("model_family"):
         raise ConfigError(f"drafter file {path}: no metadata model_family")
     if not 1 <= ints["draft_depth"] < ints["model_loops"]:
@@ -349,7 +397,7 @@ def load_drafter_file(path, model_config=None) -> LadDrafter:
         check_drafter_fits(path, meta["model_family"], ints["state_size"], ints["vocab_size"],
                            ints["draft_depth"], model_config)
     shape = DrafterShape(**{k: ints[k] for k in _SHAPE_META}, draft_vocab=len(vocab),
-                         head=meta["head"], arch=arch)
+                         head=meta["head"], arch=arch, anchor=anchor)
     abstract = nnx.eval_shape(lambda: LookaheadDrafter(shape, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     want = {_tensor_name(p): (p, v) for p, v in nnx.to_flat_state(state)}
