@@ -9,7 +9,8 @@ output token (plain: R of each), tokens/s (prefill + decode, compile excluded, a
 warm-up prompt), speed-up over plain decoding, and whether every output equals plain greedy.
 The first token of each prompt (from the prefill) is not counted. Methods:
 `loopspec` (d1 = 1), `loopspec_d2` (the dual proposal at 2), `loopahead` (r1 the drafter's
-draft depth, r2 = 2 r1; with --lad), `loopahead_nodrafter` (native proposals only),
+draft depth, r2 = 2 r1; with --lad), `loopspec_matched` (LoopSpec at LoopAhead's depths,
+d1 = r1 and d2 = r2; with --lad), `loopahead_nodrafter` (native proposals only),
 `loopahead_nosched` (feedback scheduling off). Prints a Markdown table, writes JSON.
 """
 
@@ -47,7 +48,8 @@ def looped_methods(engine, sampling: Sampling, lad: str | None = None) -> dict[s
     (`engine.build_method`) with `sampling`: plain, LoopSpec (d1 = 1; d2 = 2 when the model
     has more than 2 loops), and LoopAhead with r1 the drafter's draft depth (1 without a
     drafter) and r2 = 2 r1 (0 when not below the loops): with `lad` (a drafter file or a
-    train_lad workdir) `loopahead` and `loopahead_nosched`, always `loopahead_nodrafter`."""
+    train_lad workdir) `loopahead`, `loopahead_nosched` and `loopspec_matched` (LoopSpec
+    proposing at LoopAhead's depths, d1 = r1 and d2 = r2), always `loopahead_nodrafter`."""
     loops = engine.config.num_loops
     out = {"ar": engine.build_method("ar", sampling),
            "loopspec": engine.build_method("loopspec", sampling, d1=1)}
@@ -58,6 +60,8 @@ def looped_methods(engine, sampling: Sampling, lad: str | None = None) -> dict[s
     r2 = 2 * r1 if 2 * r1 < loops else 0
     if drafted is not None:
         out["loopahead"] = engine.build_method("loopahead", sampling, lad=drafted.drafter, r2=r2)
+        # LoopSpec at LoopAhead's depths (proposals at r1 and r2): the matched-depth baseline
+        out["loopspec_matched"] = engine.build_method("loopspec", sampling, d1=r1, d2=r2)
         out["loopahead_nosched"] = engine.build_method("loopahead", sampling,
                                                        lad=drafted.drafter, r2=r2,
                                                        scheduling=False)

@@ -15,9 +15,10 @@ Methods (`--methods`, commas; a method's own numbers follow its colon):
   lookahead             the preset's lookahead settings
   lookahead:W,N,G       lookahead at those settings; append +prompt for prompt seeding
   prompt_lookup[:K[,M]] prompt lookup decoding (K draft tokens, suffixes up to M tokens)
-  loopspec, loopspec_d2, loopahead, loopahead_nodrafter, loopahead_nosched
-                        looped presets only (`looped_bench.looped_methods`; --lad: the
-                        drafter, whose draft depth is LoopAhead's r1)
+  loopspec, loopspec_d2, loopspec_matched, loopahead, loopahead_nodrafter,
+  loopahead_nosched     looped presets only (`looped_bench.looped_methods`; --lad: the
+                        drafter, whose draft depth is LoopAhead's r1; loopspec_matched:
+                        LoopSpec proposing at LoopAhead's depths r1 and r2)
 A method that does not apply to the preset (lookahead on a looped model, LoopSpec on Llama) is
 skipped with a note. Every method is built by the registry (`Engine.build_method`) with the
 run's sampling (--temperature, --top_k, --top_p): each JSON run record says which sampling its

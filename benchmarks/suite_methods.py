@@ -15,8 +15,8 @@ from models.config import ConfigError
 
 LOOKAHEAD_DEFAULT = "ar,lookahead:15,5,15,lookahead:7,5,7,lookahead:5,3,5,prompt_lookup"
 LOOPED_DEFAULT = "ar,loopspec,loopahead"
-LOOPED_NAMES = ("loopspec", "loopspec_d2", "loopahead", "loopahead_nodrafter",
-                "loopahead_nosched")
+LOOPED_NAMES = ("loopspec", "loopspec_d2", "loopspec_matched", "loopahead",
+                "loopahead_nodrafter", "loopahead_nosched")
 
 
 class SuiteError(Exception):
@@ -167,7 +167,7 @@ def build_methods(engine, specs: Sequence[MethodSpec], sampling: Sampling,
             out[spec.label] = engine.build_method("loopahead", sampling)
         else:
             raise SuiteError(f"{spec.name} needs --lad (a drafter file or a train_lad work "
-                             f"directory)" if spec.name == "loopahead_nosched" else
+                             f"directory)" if spec.name in ("loopahead_nosched", "loopspec_matched") else
                              f"{spec.name} does not apply to a model of "
                              f"{engine.config.num_loops} loops")
     return out

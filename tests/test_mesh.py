@@ -8,7 +8,8 @@ Pinned there, for meshes (lookahead, model) = (1,8), (2,4), (4,2), (8,1):
   * outputs identical to the single-device run: plain greedy and sampling, lookahead greedy
     and sampling with the same seed, prompt lookup; on a model whose heads the model axis
     divides and on one with 4 query / 2 KV heads (KV heads replicated on a model axis of 8);
-  * LoopSpec and LoopAhead on both looped families, sharded;
+  * LoopSpec (on Ouro) and LoopAhead (on Raven), sharded, equal to plain greedy on one
+    device;
   * the compiled decoding loop's collectives (`lookahead_jax.tuning.collectives`): two
     all-reduces over the model axis per layer (after the row-parallel o_proj and down_proj),
     lookahead's int32 all-gather over the lookahead axis, no float collective over it, and no
@@ -148,32 +149,25 @@ def test_parameters_are_split_over_the_model_axis():
         1, 128, np.float32).k[0].sharding.is_fully_replicated
 
 
-@pytest.fixture(scope="module")
-def looped_single():
-    out = {}
-    for fam in CONFIGS:
-        model = agreeable(_perturb_norms(build_looped(CONFIGS[fam], rngs=nnx.Rngs(3))),
-                          FACTOR[fam])
-        engine = Engine(model, eos_ids=())
-        prompts = [p for p in PROMPTS if max(p) < CONFIGS[fam].vocab_size]
-        out[fam] = (prompts, {m: engine.generate_ids(prompts, method=_looped(m),
-                                                     max_new_tokens=16).tokens
-                              for m in ("ar", "loopspec", "loopahead")})
-    return out
+# one looped method per family on the mesh (CI's time: each compiles its programs for the
+# mesh), so both methods and both families run sharded; each must equal plain greedy decoding
+# on one device
+LOOPED_ON_MESH = {"ouro": "loopspec", "raven": LoopAhead(r1=1, r2=2)}
 
 
-def _looped(name):
-    return LoopAhead(r1=1, r2=2) if name == "loopahead" else name
+def _looped_model(fam):
+    return agreeable(_perturb_norms(build_looped(CONFIGS[fam], rngs=nnx.Rngs(3))), FACTOR[fam])
 
 
 @needs8
 @pytest.mark.parametrize("fam", list(CONFIGS))
-def test_looped_methods_sharded(looped_single, fam):
-    prompts, single = looped_single[fam]
-    model = agreeable(_perturb_norms(build_looped(CONFIGS[fam], rngs=nnx.Rngs(3))), FACTOR[fam])
-    engine = Engine(model, eos_ids=(), mesh="lookahead:2,model:4")
-    for m, want in single.items():
-        assert engine.generate_ids(prompts, method=_looped(m), max_new_tokens=16).tokens == want, m
+def test_looped_methods_sharded(fam):
+    prompts = [p for p in PROMPTS if max(p) < CONFIGS[fam].vocab_size]
+    want = Engine(_looped_model(fam), eos_ids=()).generate_ids(prompts, method="ar",
+                                                               max_new_tokens=16).tokens
+    engine = Engine(_looped_model(fam), eos_ids=(), mesh="lookahead:2,model:4")
+    got = engine.generate_ids(prompts, method=LOOPED_ON_MESH[fam], max_new_tokens=16).tokens
+    assert got == want
 
 
 # --------------------------------------------------------------------------- collectives ---

@@ -227,12 +227,13 @@ def test_suite_builds_every_method_with_the_runs_sampling(tiny_engine, tmp_path)
     fv = flags.FlagValues()
     suite.define_flags(fv)
     fv(["suite", "--config=tiny_ouro", "--temperature=0.7", f"--lad={DRAFTER}",
-        "--methods=ar,loopspec,loopspec_d2,loopahead,loopahead_nodrafter,loopahead_nosched"])
+        "--methods=ar,loopspec,loopspec_d2,loopspec_matched,loopahead,loopahead_nodrafter,"
+        "loopahead_nosched"])
     opts = suite.options_from_flags(load_preset("tiny_ouro"), fv)
     assert opts.sampling == Sampling(0.7)
     engine = Engine.from_preset("tiny_ouro")
     built = suite_methods.build_methods(engine, opts.methods, opts.sampling, opts.lad)
-    assert list(built) == ["plain", "loopspec", "loopspec_d2", "loopahead",
+    assert list(built) == ["plain", "loopspec", "loopspec_d2", "loopspec_matched", "loopahead",
                            "loopahead_nodrafter", "loopahead_nosched"]
     assert {label: m.sampling for label, m in built.items()} == {
         label: Sampling(0.7) for label in built}
@@ -240,6 +241,11 @@ def test_suite_builds_every_method_with_the_runs_sampling(tiny_engine, tmp_path)
         built["loopahead"].drafter.draft_depth
     assert built["loopahead_nodrafter"].drafter is None
     assert not built["loopahead_nosched"].scheduling
+    matched, ahead = built["loopspec_matched"], built["loopahead"]
+    assert (matched.name, matched.d1, matched.d2) == ("loopspec", ahead.r1, ahead.r2)
+    with pytest.raises(suite.SuiteError, match="loopspec_matched needs --lad"):
+        suite_methods.build_methods(engine, suite.parse_methods("loopspec_matched"),
+                                    opts.sampling, None)
 
     llama = suite_methods.build_methods(
         tiny_engine, suite.parse_methods("lookahead:2,3,2,prompt_lookup:4"),
