@@ -165,9 +165,10 @@ def build_methods(engine, specs: Sequence[MethodSpec], sampling: Sampling,
             out[spec.label] = looped[spec.name]
         elif spec.name == "loopahead":  # no drafter given: native proposals only
             out[spec.label] = engine.build_method("loopahead", sampling)
-        else:
+        elif spec.name in ("loopahead_nosched", "loopspec_matched"):
             raise SuiteError(f"{spec.name} needs --lad (a drafter file or a train_lad work "
-                             f"directory)" if spec.name in ("loopahead_nosched", "loopspec_matched") else
-                             f"{spec.name} does not apply to a model of "
+                             f"directory)")
+        else:
+            raise SuiteError(f"{spec.name} does not apply to a model of "
                              f"{engine.config.num_loops} loops")
     return out
