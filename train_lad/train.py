@@ -202,15 +202,16 @@ def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdi
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     table = jnp.asarray(_table(draft_vocab, cfg.model_vocab))
+    shape = drafter_shape(cfg, len(draft_vocab))
     out_emb = emb = None
-    if cfg.head == "model" or cfg.anchor == "model":
+    if shape.needs_embedding:
         if out_embedding is None:
             raise ConfigError(f"lad config {cfg.name}: head or anchor 'model' needs the looped "
                               f"model's output embedding")
         emb = jnp.asarray(np.asarray(out_embedding, np.float32))
         out_emb = emb[:, draft_vocab] if cfg.head == "model" else None
         emb = emb if cfg.anchor == "model" else None
-    model = LookaheadDrafter(drafter_shape(cfg, len(draft_vocab)), rngs=nnx.Rngs(cfg.seed))
+    model = LookaheadDrafter(shape, rngs=nnx.Rngs(cfg.seed))
     graphdef, params = nnx.split(model)
     tx = make_tx(cfg)
     opt_state = tx.init(params)
