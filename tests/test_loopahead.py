@@ -16,7 +16,8 @@ from flax import nnx
 from lookahead_jax.engine import Engine
 from lookahead_jax.generation import Output
 from lookahead_jax.looped.drafter import LadDrafter
-from lookahead_jax.looped.loopahead import LoopAhead, request_tokens
+from lookahead_jax.looped.loopahead import LoopAhead, priority_rank, request_tokens
+from lookahead_jax.looped.tree import LoopTree
 from lookahead_jax.looped.loopspec import LoopSpec
 from lookahead_jax.sampling import Sampling
 from models.build import build_looped
@@ -81,12 +82,15 @@ def untrained(cfg, head: str = "vocab", arch: str = "heads") -> LadDrafter:
     return LadDrafter(net, np.arange(0, 97, 2)[:50])
 
 
-@pytest.mark.parametrize("head,arch", [("vocab", "heads"), ("model", "queries")])
-def test_untrained_drafter_equals_plain(engine, plain, head, arch):
+@pytest.mark.parametrize("head,arch,kw", [("vocab", "heads", {}), ("model", "queries", {}),
+                                         ("model", "queries", dict(max_active=4, lad_calls=2))],
+                         ids=["heads", "queries", "queries_budget4_calls2"])
+def test_untrained_drafter_equals_plain(engine, plain, head, arch, kw):
     """Head "model" also drafts from the request's own tokens (prompt, outputs, EOS); arch
-    "queries" is the paper's drafter (K future query positions)."""
+    "queries" is the paper's drafter (K future query positions); a budget of 4 nodes per step
+    with two drafter calls per row and step."""
     drafter = untrained(engine.config, head, arch)
-    res = run(engine, LoopAhead(r1=1, r2=2, drafter=drafter, window=8))
+    res = run(engine, LoopAhead(r1=1, r2=2, drafter=drafter, window=8, **kw))
     assert res.tokens == plain
     assert res.stats.extra["drafter_arch"] == arch
 
@@ -115,7 +119,85 @@ def test_wrong_drafter_and_ablations_equal_plain(engine, plain):
     assert on.tokens == plain and off.tokens == plain and nodrafter.tokens == plain
     assert on.stats.extra["K"] == 3 and off.stats.extra["scheduling"] is False
     assert off.stats.extra["advances"] > on.stats.extra["advances"]
+    # the wrong branches are thrown away: with suspension after fewer loops
+    r_full = engine.config.num_loops
+    for res in (on, off, nodrafter):
+        st = res.stats.extra
+        # every verified token's node ran R loops; the rest went to discarded nodes or is
+        # still in the tree when decoding stops
+        in_tree = st["advances"] - r_full * st["verified_tokens"] - st["discarded_advances"]
+        assert st["discarded"] > 0 and 0 <= in_tree <= len(PROMPTS) * r_full * st["capacity"]
+    assert (off.stats.extra["discarded_advances"] > on.stats.extra["discarded_advances"])
     assert nodrafter.stats.extra["K"] == 0 and nodrafter.stats.extra["drafter_accepted"] == 0
+
+
+def _tree(tokens, parents, depths, positions) -> LoopTree:
+    """One row's tree from its nodes' tokens, parents (-1: the root, slot 0), depths and
+    positions, with two free slots."""
+    n = len(tokens)
+    tree = LoopTree.init(jnp.asarray([tokens[0]]), jnp.asarray([positions[0]]), n + 2, 8,
+                         jnp.float32, 1)
+    anc = np.zeros((1, n + 2, n + 2), bool)
+    for i, p in enumerate(parents):
+        while p >= 0:
+            anc[0, i, p] = True
+            p = parents[p]
+    pad = lambda x, v=0: jnp.asarray([list(x) + [v, v]], jnp.int32)  # noqa: E731
+    return tree.replace(valid=jnp.asarray([[True] * n + [False, False]]),
+                        fresh=jnp.zeros((1, n + 2), bool), token=pad(tokens),
+                        parent=pad(parents, -1), depth=pad(depths), pos=pad(positions),
+                        kind=pad([0] + [1] * (n - 1)), anc=jnp.asarray(anc))
+
+
+def test_later_readouts_resume_and_pause_children():
+    """Feedback (greedy, R = 4, r2 = 2): the root's depth-3 readout agrees with its paused
+    child, which resumes, and not with the running one, which pauses; no proposal is added
+    after r2. At depth 2 a readout agreeing with neither pauses both and adds its own."""
+    method = LoopAhead(r1=1, r2=2)
+    tree = _tree([4, 5, 7], [-1, 0, 0], [3, 2, 2], [10, 11, 11])
+    paused = jnp.asarray([[False, True, False, False, False]])
+    active = jnp.asarray([[True, False, False, False, False]])
+    top = jnp.asarray([[5, 0, 0, 0, 0]])
+    new, got = method._feedback(tree, paused, active, top, None, None, 4)
+    assert got[0, :3].tolist() == [False, False, True]
+    assert new.valid.sum() == 3  # nothing added at depth 3
+    at_r2 = tree.replace(depth=jnp.asarray([[2, 1, 1, 0, 0]]))
+    new, got = method._feedback(at_r2, paused, active, jnp.asarray([[9, 0, 0, 0, 0]]), None,
+                                None, 4)
+    assert got[0, :3].tolist() == [False, True, True]
+    added = np.flatnonzero(np.asarray(new.valid[0] & ~at_r2.valid[0]))
+    assert len(added) == 1 and int(new.token[0, added[0]]) == 9
+    assert int(new.parent[0, added[0]]) == 0
+
+
+def test_priority_and_discarded_nodes():
+    """Priority: the nearer position first, then the deeper node, then the lower slot; a
+    verification that keeps one child discards the other subtree (the committed root is not
+    counted), a restart discards every node but the root."""
+    #        0 (pos 10, d3)
+    #      /     \
+    #  1 (11, d2)  2 (11, d1)
+    #     |
+    #  3 (12, d2)
+    tree = _tree([4, 5, 7, 6], [-1, 0, 0, 1], [3, 2, 1, 2], [10, 11, 11, 12])
+    every = tree.valid
+    assert priority_rank(tree, every)[0, :4].tolist() == [0, 1, 2, 3]
+    only = every & (jnp.arange(6) != 1)[None]
+    assert priority_rank(tree, only)[0, [0, 2, 3]].tolist() == [0, 1, 2]
+    keep, restart = jnp.asarray([True]), jnp.asarray([False])
+    assert np.flatnonzero(tree.discarded(keep, jnp.asarray([1]), restart)[0]).tolist() == [2]
+    assert np.flatnonzero(tree.discarded(keep, jnp.asarray([2]), restart)[0]).tolist() == [1, 3]
+    assert np.flatnonzero(tree.discarded(~keep, jnp.asarray([0]), ~restart)[0]).tolist() == [
+        1, 2, 3]
+    assert not tree.discarded(~keep, jnp.asarray([0]), restart).any()
+
+
+def test_budget_and_calls_are_checked():
+    from models.config import ConfigError  # noqa: PLC0415
+    with pytest.raises(ConfigError, match="max_active >= 0"):
+        LoopAhead(max_active=-1)
+    with pytest.raises(ConfigError, match="lad_calls"):
+        LoopAhead(lad_calls=0)
 
 
 def test_near_zero_temperature_is_greedy(engine, plain):

@@ -19,7 +19,8 @@ from lookahead_jax.looped.loopahead import LoopAhead
 from lookahead_jax.looped.spec_sampling import draft_chances, verify_drafts
 from sampling_checks import cascade
 from test_loopspec import (ALPHA, SAMPLES, SETTINGS, V, WRONG_P, check,  # noqa: F401
-                           exact_probs, sample_many, small_model)
+                           exact_joint, exact_probs, make_small_model, sample_many,
+                           small_model)
 
 K = 2
 
@@ -37,6 +38,10 @@ class AnchorTableDrafter:
 
 @pytest.fixture(scope="module")
 def drafter(exact_probs) -> AnchorTableDrafter:
+    return table_drafter(exact_probs)
+
+
+def table_drafter(exact_probs) -> AnchorTableDrafter:
     """After anchor a (a draft of token 2) it proposes the likeliest token 3 given token 2 = a
     (so its chains are often, not always, accepted), then token 0."""
     joint = exact_probs(SETTINGS["t1"])  # [V, V, V]
@@ -68,6 +73,23 @@ def test_sampling_is_exact(name, use_drafter, scheduling, draw, exact_probs):
     assert 0.2 < stats["draft_acceptance"] < 0.9, stats
     if use_drafter:  # the drafter's chains are verified and sometimes kept
         assert stats["drafter_accepted"] > 0.02 * SAMPLES, stats
+
+
+def test_sampling_is_exact_with_later_readouts_a_budget_and_two_calls():
+    """On the model with 4 loops the depth-3 readout judges the children again (pauses and
+    resumes them); a budget of 3 nodes per step and two drafter calls per row and step: the
+    scheduler decides which nodes advance and when, never what is emitted."""
+    model = make_small_model(num_loops=4)
+    exact = exact_joint(model)
+    tokens, stats = sample_many(model, LoopAhead(
+        SETTINGS["t1"], r1=1, r2=2, drafter=table_drafter(exact), max_active=3, lad_calls=2,
+        window=8))
+    p, outside = check(exact(SETTINGS["t1"]), tokens, "4 loops, budget 3, 2 calls", stats)
+    assert outside == 0
+    assert p > ALPHA, f"chi-square p = {p:.3g}"
+    assert stats["max_active"] == 3 and stats["lad_calls"] == 2
+    assert 0.2 < stats["draft_acceptance"] < 0.9, stats
+    assert stats["drafter_accepted"] > 0.02 * SAMPLES, stats
 
 
 # sampling_checks.cascade: verify_drafts with a planted mistake (the inverted ratio

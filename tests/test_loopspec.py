@@ -7,6 +7,7 @@ the same test catches planted wrong acceptance rules."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -195,9 +196,14 @@ SAMPLING_CFG = LoopedConfig(family="ouro", vocab_size=V, hidden_size=32, interme
 
 @pytest.fixture(scope="module")
 def small_model() -> LoopedLM:
+    return make_small_model()
+
+
+def make_small_model(num_loops: int = 3) -> LoopedLM:
     """A 6-token Ouro with 3 loops whose readouts are high-entropy and differ between depth
     1 and depth 3 (so drafts are often rejected and often accepted)."""
-    model = _perturb_norms(build_looped(SAMPLING_CFG, rngs=nnx.Rngs(0)))
+    cfg = dataclasses.replace(SAMPLING_CFG, num_loops=num_loops)
+    model = _perturb_norms(build_looped(cfg, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(0)
     emb = rng.normal(size=(V, 32)).astype(np.float32)
     model.embed_tokens.embedding.set_value(jnp.asarray(emb / np.linalg.norm(emb, axis=1,
@@ -212,6 +218,10 @@ def small_model() -> LoopedLM:
 
 @pytest.fixture(scope="module")
 def exact_probs(small_model):
+    return exact_joint(small_model)
+
+
+def exact_joint(small_model):
     """sampling -> P(t1, t2, t3) [V, V, V], from full-depth logits of all 1 + V + V^2
     prefixes (one cache-free forward)."""
     seqs = ([PROMPT] + [PROMPT + [a] for a in range(V)]
@@ -246,7 +256,7 @@ def sample_many(model, method):
     or LoopAhead), in one batch: tokens [SAMPLES, NEW] and the method's summary."""
     graphdef, params = nnx.split(model)
     tokens, lengths = pad_prompts([PROMPT] * SAMPLES)
-    cap = method.tree_capacity(SAMPLING_CFG.num_loops)
+    cap = method.tree_capacity(model.config.num_loops)
     cache = model.init_cache(SAMPLES, tokens.shape[1] + NEW + cap)
     state = _generate(method, graphdef, params, jnp.asarray(tokens), jnp.asarray(lengths),
                       cache, jax.random.key(0))

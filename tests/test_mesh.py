@@ -88,9 +88,9 @@ SHAPES = {"gqa": {}, "mha8": dict(hidden_size=64, num_heads=8, num_kv_heads=8)}
 
 
 # each mesh with one model: KV heads replicated (gqa on a model axis of 8), split (gqa on 2,
-# mha8 on 4), and lookahead parallelism alone (model axis 1); every run on the two-axis mesh,
-# two runs on each of the others (CI's time: each run compiles its programs for the mesh)
-MESH_SHAPES = [((1, 8), "gqa", ("ar", "lookahead")), ((2, 4), "mha8", tuple(RUNS)),
+# mha8 on 4), and lookahead parallelism alone (model axis 1); every run on some mesh, two runs
+# on each (CI's time: each run compiles its programs for the mesh)
+MESH_SHAPES = [((1, 8), "gqa", ("ar", "lookahead")), ((2, 4), "mha8", ("ar_sampling", "lookahead")),
                ((4, 2), "gqa", ("lookahead", "lookahead_sampling")),
                ((8, 1), "mha8", ("lookahead_sampling", "prompt_lookup"))]
 
@@ -237,9 +237,9 @@ def test_family_switches_sharded_equal_one_device(fam):
     runs = (dict(method="ar"), dict(method="lookahead"))
     one = Engine(family_model(fam), eos_ids=(), lookahead=LOOK)
     want = [one.generate_ids(PROMPTS, max_new_tokens=NEW, **g).tokens for g in runs]
+    # on the mesh, lookahead only (CI's time): it equals the one-device run and plain decoding
     mesh = Engine(family_model(fam), eos_ids=(), lookahead=LOOK, mesh="lookahead:2,model:4")
-    got = [mesh.generate_ids(PROMPTS, max_new_tokens=NEW, **g).tokens for g in runs]
-    assert got == want
+    assert mesh.generate_ids(PROMPTS, max_new_tokens=NEW, **runs[1]).tokens == want[1]
     assert want[1] == want[0]  # lookahead lossless with the family's rules
 
 
@@ -265,7 +265,7 @@ def test_hf_checkpoint_loads_sharded(hf_ckpt):
 @needs8
 def test_cli_mesh_flag():
     code1, out1, _ = _cli()
-    for mesh in ("lookahead:2,model:4", "model:8", "lookahead:4,model:2"):
+    for mesh in ("lookahead:2,model:4",):  # the other shapes: test_outputs_equal_one_device
         code, out, err = _cli(mesh=mesh)
         assert code1 == code == 0, err
         assert out == out1, mesh
@@ -295,7 +295,7 @@ def test_slot_engine_on_a_model_axis_equals_one_device():
     sharded = Engine(make_model(**SHAPES["mha8"]), eos_ids=(), lookahead=LOOK, mesh="model:4")
     slots = SlotEngine(sharded, slots=2, limits=Limits(max_len=64, max_tokens=NEW, W=5, N=3,
                                                        G=5))
-    runs = ("lookahead", "lookahead_sampling", "prompt_lookup")  # three lanes (CI's time)
+    runs = ("lookahead_sampling", "prompt_lookup")  # two lanes (CI's time)
     requests = []
     for run in runs:
         g = RUNS[run]

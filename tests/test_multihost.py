@@ -69,7 +69,10 @@ def _distributed(port: int, i: int, n: int, extra: list[str]) -> list[str]:
             f"--process_id={i}", *extra]
 
 
-@pytest.mark.parametrize("run", ["greedy", "sampling", "hf_checkpoint"])
+# sampling on two processes is slow (CI's time); sampling on the same mesh in one process:
+# test_mesh.py
+@pytest.mark.parametrize("run", ["greedy", pytest.param("sampling", marks=pytest.mark.slow),
+                                 "hf_checkpoint"])
 def test_two_processes_equal_one(tmp_path, request, run):
     """hf_checkpoint: the weights come from a Hugging Face directory, each process reading
     only the slices of its own devices' shards."""

@@ -59,9 +59,11 @@ def plain(engine):
 
 
 # (W, N, G, devices): W and G divisible by the devices or not, fewer columns than devices,
-# N = 2 (no window levels beyond level 0), G = 0 (no verification branch)
-SETTINGS = [(4, 3, 4, 2, False), (5, 4, 3, 3, True), (15, 5, 15, 8, False), (3, 2, 0, 2, True),
-            (6, 3, 5, 4, False), (2, 4, 9, 8, True)]
+# N = 2 (no window levels beyond level 0), G = 0 (no verification branch); the settings that
+# repeat those cases are marked slow (CI's time: each compiles its own programs on 8 devices)
+SETTINGS = [pytest.param(4, 3, 4, 2, False, marks=pytest.mark.slow), (5, 4, 3, 3, True),
+            (15, 5, 15, 8, False), (3, 2, 0, 2, True),
+            pytest.param(6, 3, 5, 4, False, marks=pytest.mark.slow), (2, 4, 9, 8, True)]
 
 
 @needs8
@@ -81,10 +83,10 @@ def test_greedy_equals_single_device_and_plain(engine, plain, W, N, G, D, seedin
 
 
 @needs8
-@pytest.mark.parametrize("W,N,G,D,sampling", [
+@pytest.mark.parametrize("W,N,G,D,sampling", [  # top-k and top-p: slow (CI's time)
     (7, 5, 7, 8, Sampling(temperature=1.0)),
-    (5, 4, 6, 4, Sampling(temperature=0.7, top_k=5)),
-    (6, 3, 5, 3, Sampling(temperature=1.0, top_p=0.9)),
+    pytest.param(5, 4, 6, 4, Sampling(temperature=0.7, top_k=5), marks=pytest.mark.slow),
+    pytest.param(6, 3, 5, 3, Sampling(temperature=1.0, top_p=0.9), marks=pytest.mark.slow),
 ])
 def test_sampling_equals_single_device(engine, W, N, G, D, sampling):
     """Same seed, same tokens: every device draws the same random numbers, and each position's

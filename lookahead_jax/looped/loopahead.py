@@ -12,20 +12,28 @@ Each step is one batched call of the shared block over the scheduled nodes of th
    A drafted chain that advanced as one block reaches R together, so a whole accepted chain
    commits in one step.
 2. Drafts at depth r1: a node reaching r1 proposes its readout's argmax (the native proposal,
-   the anchor). A node with no child yet gets the anchor as a child and, below it, a chain of
-   the drafter's K tokens (one drafter call per row and step, over the depth-r1 states and
-   native proposals of the last `window` positions: committed tokens and the node's
-   ancestors); all of them start at depth 0 and advance together. A node whose children do
+   the anchor). Admission: a node with no child yet that is not suspended gets the anchor as
+   a child and, below it, a chain of the drafter's K tokens (at most `lad_calls` drafter calls
+   per row and step, in priority order, each over the depth-r1 states and native proposals
+   of the last `window` positions: committed tokens and the node's ancestors); all of them
+   start at depth 0 and advance together. Calls recur: the chain's last node, and every
+   anchor, reaching r1 childless is eligible in its turn (as far as the tree's capacity
+   admits the new nodes: a chain is cut at the free slots). A node whose children do
    not include its anchor gets the anchor as an extra child. The drafter's vocabulary is its
    compact one (the teacher outputs' most frequent tokens) and, when its head can score any
    token (`train_lad` head "model"), the request's own tokens too: the prompt's, EOS and the
    outputs so far (`request_tokens`, a fixed number of slots).
-3. Feedback at depth r2 (scheduling): a node reaching r2 pauses every child whose token
+3. Feedback from depth r2 (scheduling): a node reaching r2 pauses every child whose token
    differs from its depth-r2 argmax, which suspends the child's subtree (K/V kept, not
-   advanced), and adds that argmax as a child when none holds it; a paused child resumes
-   when it is accepted (it becomes the root).
-4. Budget: at most `max_active` nodes advance per step (0: all eligible), nearest positions
-   first; a node never runs deeper than its ancestors (suspension covers whole subtrees).
+   advanced), and adds that argmax as a child when none holds it. Each later intermediate
+   readout (depths r2 + 1 .. R - 1) judges the children again: the one it agrees with
+   resumes (eligible again), the others pause. An accepted child resumes (it becomes root).
+4. Budget: at most `max_active` nodes advance per step (0: all eligible), by priority
+   (`priority_rank`): nearest position first, then the deeper node; a node never runs deeper
+   than its ancestors (suspension covers whole subtrees).
+
+Counted for the ablations (`loop_summary`): the drafted nodes verification discards, the
+loops they had taken, and how many had reached full depth.
 
 Greedy: the root's token is its full-depth argmax; output equals plain full-depth greedy
 decoding token for token whatever the drafts.
@@ -43,9 +51,9 @@ the anchor from the r1 distribution's residual after the drafter's token, the fe
 proposal from the r2 distribution's residual after the existing children, made only when that
 residual is not empty (so a token that would certainly be accepted is never repeated). A
 child's existence and q depend only on earlier children, never on its own token, so each
-emitted token is distributed exactly as plain sampling at full depth. Scheduling at r2 keeps
-the child most likely to be accepted under the r2 distribution (the new proposal included)
-and pauses the others: the greedy rule is its one-hot case.
+emitted token is distributed exactly as plain sampling at full depth. Scheduling at r2 and later
+readouts keeps the child most likely to be accepted under that depth's distribution (at r2
+the new proposal included) and pauses the others: the greedy rule is its one-hot case.
 
 Counts as LoopSpec: loops (shared-block calls) and candidate advances per output token;
 `drafter_accepted`: verifications that kept the drafter's child.
@@ -62,7 +70,8 @@ from flax import struct
 
 from lookahead_jax.generation import Output
 from lookahead_jax.looped.drafter import output_embedding
-from lookahead_jax.looped.tree_method import LoopStats, TreeMethod, loop_summary
+from lookahead_jax.looped.tree_method import (LoopStats, TreeMethod, discard_counts,
+                                              loop_summary)
 from lookahead_jax.looped.spec_sampling import DraftVerifier, draft_chances, verify_drafts
 from lookahead_jax.looped.tree import LoopTree, commit_root, loop_advance, prefill_all_depths
 from lookahead_jax.method import First
@@ -78,6 +87,25 @@ def request_tokens(prompt: jax.Array, out: Output, eos_ids: tuple[int, ...]) -> 
     outputs = jnp.where(jnp.arange(m)[None] < out.count[:, None], out.tokens, -1)
     eos = jnp.broadcast_to(jnp.asarray(eos_ids, jnp.int32).reshape(1, -1), (b, len(eos_ids)))
     return jnp.concatenate([prompt, outputs, eos], axis=1).astype(jnp.int32)
+
+
+def suspended(tree: LoopTree, paused: jax.Array) -> jax.Array:
+    """[B, C] the nodes that do not advance: paused [B, C] themselves or below a paused node."""
+    return paused | (tree.anc & paused[:, None, :]).any(-1)
+
+
+def priority_rank(tree: LoopTree, among: jax.Array) -> jax.Array:
+    """[B, C] each node's place in the scheduling priority among the nodes `among` [B, C]
+    (the count of those ahead of it): the nearest position first (the next token to be
+    decided), then the deeper node (the nearer its verdict), then the lower slot. A node's
+    ancestors always come before it, so a budget never runs a node past its ancestors."""
+    c = tree.capacity
+    pos_j, pos_i = tree.pos[:, None, :], tree.pos[:, :, None]
+    d_j, d_i = tree.depth[:, None, :], tree.depth[:, :, None]
+    slot = jnp.arange(c)
+    earlier_slot = slot[None, None, :] < slot[None, :, None]
+    ahead = (pos_j < pos_i) | ((pos_j == pos_i) & ((d_j > d_i) | ((d_j == d_i) & earlier_slot)))
+    return (among[:, None, :] & ahead).sum(-1)
 
 
 # the proposals that make children, in the order they are made for a node and verified:
@@ -108,17 +136,19 @@ class LoopAhead(TreeMethod):
     """LoopAhead decoding, greedy or sampling. r1: draft depth (native proposals and LAD; a
     drafter's states come from its own `draft_depth`, which r1 must equal); r2: feedback depth
     (0: off); drafter: a `LadDrafter` (None: native proposals only, the "drafter off"
-    ablation); scheduling: feedback at r2 (suspension and the r2 proposal) on / off (the
-    "scheduling off" ablation); max_active: nodes advanced per step (0: all); window: the
-    drafter's context positions; capacity: tree nodes (0: automatic); verifier: the
-    acceptance rule when sampling (tests plant wrong ones). `lookahead_jax.registry` builds
-    it with r1 taken from the drafter."""
+    ablation); scheduling: feedback from r2 on (suspension, resumption and the r2 proposal)
+    on / off (the "scheduling off" ablation); max_active: the budget, nodes advanced per step
+    in priority order (0: all eligible); lad_calls: drafter calls per row and step (each from
+    an eligible node at r1); window: the drafter's context positions; capacity: tree nodes
+    (0: automatic); verifier: the acceptance rule when sampling (tests plant wrong ones).
+    `lookahead_jax.registry` builds it with r1 taken from the drafter."""
 
     r1: int = 1
     r2: int = 2
     drafter: Any = None
     scheduling: bool = True
     max_active: int = 0
+    lad_calls: int = 1
     window: int = 32
     capacity: int = 0
     verifier: DraftVerifier = verify_drafts
@@ -130,6 +160,9 @@ class LoopAhead(TreeMethod):
         if self.r1 < 1 or (self.r2 and self.r2 <= self.r1):
             raise ConfigError(f"loopahead: need 1 <= r1 < r2 (or r2 = 0), got {self.r1}, "
                               f"{self.r2}")
+        if self.max_active < 0 or self.lad_calls < 1:
+            raise ConfigError(f"loopahead: need max_active >= 0 (0: no budget) and lad_calls "
+                              f">= 1, got {self.max_active}, {self.lad_calls}")
         depth = getattr(self.drafter, "draft_depth", None)
         if depth is not None and depth != self.r1:
             raise ConfigError(f"loopahead: the drafter was trained on depth-{depth} states, "
@@ -184,7 +217,8 @@ class LoopAhead(TreeMethod):
         st["drafter_accepted"] = st.pop("second_draft_accepted")
         arch = getattr(self.drafter, "arch", None)  # a LadDrafter's: "queries" | "heads"
         return {"r1": self.r1, "r2": self.r2, "K": self.K, "drafter_arch": arch,
-                "scheduling": self.scheduling,
+                "scheduling": self.scheduling, "max_active": self.max_active,
+                "lad_calls": self.lad_calls,
                 "capacity": state.tree.capacity, **st}
 
     # -- one step ---------------------------------------------------------------------------
@@ -195,18 +229,14 @@ class LoopAhead(TreeMethod):
         r_full = model.config.num_loops
         live = ~state.out.done
         tree = state.tree
-        slots = jnp.arange(tree.capacity)
         key, k_verify, k_anchor, k_feedback = jax.random.split(state.key, 4)
 
         # schedule: valid, not suspended (paused itself or below a paused node), below R;
-        # nearest positions first within the budget
-        suspended = state.paused | (tree.anc & state.paused[:, None, :]).any(-1)
-        run = tree.valid & ~suspended & (tree.depth < r_full) & live[:, None]
+        # within the budget by priority (`priority_rank`)
+        run = (tree.valid & ~suspended(tree, state.paused) & (tree.depth < r_full)
+               & live[:, None])
         if self.max_active:
-            before = (run[:, None, :] & ((tree.pos[:, None, :] < tree.pos[:, :, None])
-                                         | ((tree.pos[:, None, :] == tree.pos[:, :, None])
-                                            & (slots[None, None, :] < slots[None, :, None]))))
-            run = run & (before.sum(-1) < self.max_active)
+            run = run & (priority_rank(tree, run) < self.max_active)
         depths = (self.r1, self.r2, r_full)
         tree, cache, logits, active = loop_advance(model, tree, state.cache, live, depths, run)
         top = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, C] at each node's depth
@@ -222,15 +252,10 @@ class LoopAhead(TreeMethod):
         at_r1 = at_r1 & tree.valid & ~tree.fresh
         paused = state.paused
         if self.r2 and self.scheduling:
-            tree, paused = self._feedback(tree, paused, active, top, probs, k_feedback)
-        tree = self._spawn_drafts(params, state, tree, cache, at_r1, probs, k_anchor, eos_ids)
-
-        live_i = live.astype(jnp.int32)
-        st = state.stats
-        verified, accepted, accepted_lad = counts
-        stats = LoopStats(st.loops + live_i, st.advances + active.sum(1, dtype=jnp.int32),
-                          st.verified + verified, st.accepted + accepted,
-                          st.accepted_second + accepted_lad)
+            tree, paused = self._feedback(tree, paused, active, top, probs, k_feedback, r_full)
+        tree = self._spawn_drafts(params, state, tree, cache, at_r1, suspended(tree, paused),
+                                  probs, k_anchor, eos_ids)
+        stats = state.stats.step(live, active, *counts)
         return state.replace(cache=cache, tree=tree, paused=paused & tree.valid, key=key,
                              steps=state.steps + 1, stats=stats)
 
@@ -240,7 +265,8 @@ class LoopAhead(TreeMethod):
         sampling: its children in cascade), emit it, commit its K/V and its depth-r1 context,
         and make the child holding the token the root (else restart from the token). Up to
         K + 2 tokens per step. Returns the state (out, paused, context updated), the tree,
-        the cache and per-row counts (verified, accepted, accepted drafter children)."""
+        the cache and per-row counts (verified, accepted, accepted drafter children, and
+        `discard_counts` of the nodes thrown away)."""
         b, c = tree.valid.shape
         rows, slots = jnp.arange(b), jnp.arange(c)
         out, paused = state.out, state.paused
@@ -248,6 +274,7 @@ class LoopAhead(TreeMethod):
         verified = jnp.zeros((b,), jnp.int32)
         accepted = jnp.zeros((b,), jnp.int32)
         accepted_lad = jnp.zeros((b,), jnp.int32)
+        lost = (jnp.zeros((b,), jnp.int32),) * 3
         going = ~out.done
         verify_keys = jax.random.split(key, 2 * (self.K + 2))
         for it in range(self.K + 2):
@@ -278,8 +305,10 @@ class LoopAhead(TreeMethod):
             out, _ = out.emit(nxt[:, None], at_r.astype(jnp.int32), eos_ids)
             accepted_lad += (keep & (tree.kind[rows, child] == KIND_LAD)).astype(jnp.int32)
             root_pos = tree.pos[rows, root]
-            tree = tree.keep_subtree(keep, child)
             restart = at_r & ~keep
+            lost = tuple(a + n for a, n in zip(
+                lost, discard_counts(tree, tree.discarded(keep, child, restart), r_full)))
+            tree = tree.keep_subtree(keep, child)
             tree = tree.restart(restart, nxt, root_pos + 1)
             paused = jnp.where(restart[:, None], False, paused)  # a kept root resumes
             paused = paused & tree.valid & (slots[None] != tree.root[:, None])
@@ -287,30 +316,38 @@ class LoopAhead(TreeMethod):
             accepted += keep.astype(jnp.int32)
             going = keep & ~out.done
         state = state.replace(out=out, paused=paused, ctx_h1=ctx_h1, ctx_native=ctx_nat)
-        return state, tree, cache, (verified, accepted, accepted_lad)
+        return state, tree, cache, (verified, accepted, accepted_lad, lost)
 
-    def _feedback(self, tree: LoopTree, paused, active, top, probs, key):
-        """3. Feedback at r2: children unlikely to survive the full-depth verdict, judged by
-        the depth-r2 readout, pause (with their subtrees); the r2 proposal joins as a child."""
+    def _feedback(self, tree: LoopTree, paused, active, top, probs, key, r_full: int):
+        """3. Feedback at every intermediate readout from r2 up to (not including) R: the
+        children a node's latest readout judges unlikely to survive the full-depth verdict
+        pause (with their subtrees) and the one it favours resumes; at r2 the readout's own
+        proposal joins as a child."""
         b, c = tree.valid.shape
         rows, slots = jnp.arange(b), jnp.arange(c)
-        at_r2 = active & tree.valid & ~tree.fresh & (tree.depth == self.r2)
+        reads = (active & tree.valid & ~tree.fresh & (tree.depth >= self.r2)
+                 & (tree.depth < r_full))
+        at_r2 = reads & (tree.depth == self.r2)
         kids = tree.valid[:, None, :] & (tree.parent[:, None, :] == slots[None, :, None])
         if not self.sampling.greedy:
-            return self._feedback_sampling(tree, paused, probs, at_r2, kids.any(-1), key)
-        # greedy: pause every child but the r2 argmax; add the argmax when missing
+            return self._feedback_sampling(tree, paused, probs, reads, at_r2, kids.any(-1),
+                                           key)
+        # greedy: every child but the readout's argmax pauses, the argmax's resumes; at r2
+        # the argmax is added when no child holds it
         par = jnp.maximum(tree.parent, 0)
-        conflict = (tree.valid & (tree.parent >= 0) & at_r2[rows[:, None], par]
-                    & (tree.token != top[rows[:, None], par]))
+        judged = tree.valid & (tree.parent >= 0) & reads[rows[:, None], par]
+        paused = jnp.where(judged, tree.token != top[rows[:, None], par], paused)
         has_fb = (kids & (tree.token[:, None, :] == top[:, :, None])).any(-1)
         tree, _ = tree.spawn(at_r2 & kids.any(-1) & ~has_fb, top,
                              jnp.zeros((b, c, 1), jnp.float32), KIND_FEEDBACK)
-        return tree, paused | conflict
+        return tree, paused
 
     def _spawn_drafts(self, params, state: LoopAheadState, tree: LoopTree, cache: KVCache,
-                      at_r1, probs, key, eos_ids) -> LoopTree:
-        """2. Drafts at r1: the anchor (native proposal) for the nodes that just reached r1,
-        and the drafter's chain of K tokens below it (one node per row and step)."""
+                      at_r1, held, probs, key, eos_ids) -> LoopTree:
+        """2. Drafts at r1: the anchor (native proposal) for the nodes that just reached r1;
+        admission: the drafter's chain of K tokens below the anchor for at most `lad_calls`
+        of them per row and step, each without children yet and not suspended (held [B, C]),
+        taken in scheduling priority."""
         b, c = tree.valid.shape
         rows, slots = jnp.arange(b), jnp.arange(c)
         greedy = self.sampling.greedy
@@ -330,24 +367,32 @@ class LoopAhead(TreeMethod):
             want_anchor = at_r1 & (left > 0)
         if self.drafter is None:
             return tree.spawn(want_anchor, anchor, q_anchor, KIND_ANCHOR)[0]
-        lad_node = jnp.argmax(at_r1 & ~has_kid, axis=1).astype(jnp.int32)  # [B]
-        use_lad = (at_r1 & ~has_kid).any(1)
+        eligible = at_r1 & ~has_kid & ~held
+        rank = priority_rank(tree, eligible)
+        calls = [eligible & (rank == j) for j in range(self.lad_calls)]
+        nodes = [jnp.argmax(m, axis=1).astype(jnp.int32) for m in calls]  # [B] each
         extra = request_tokens(state.prompt, state.out, eos_ids)
         lad = jax.lax.cond(  # the drafter runs only in steps where a row needs it
-            use_lad.any(),
-            lambda: self._draft(params["drafter"], tree, cache, state.h1, state.native,
-                                state.ctx_h1, state.ctx_native, lad_node,
-                                anchor[rows, lad_node], extra, params["out_embedding"]),
-            lambda: jnp.zeros((b, self.K), jnp.int32))  # [B, K]
+            eligible.any(),
+            lambda: jnp.stack([self._draft(params["drafter"], tree, cache, state.h1,
+                                           state.native, state.ctx_h1, state.ctx_native, n,
+                                           anchor[rows, n], extra, params["out_embedding"])
+                               for n in nodes]),
+            lambda: jnp.zeros((len(nodes), b, self.K), jnp.int32))  # [calls, B, K]
         tree, child = tree.spawn(want_anchor, anchor, q_anchor, KIND_ANCHOR)
-        last = jnp.where(use_lad, child[rows, lad_node], -1)
-        for k in range(self.K):
-            want = (slots[None] == last[:, None]) & (last >= 0)[:, None]
-            tok = jnp.broadcast_to(lad[:, k:k + 1], (b, c))
+        lasts = [jnp.where(m.any(1), child[rows, n], -1) for m, n in zip(calls, nodes)]
+        for k in range(self.K):  # each call's chain below its anchor, one token per spawn
+            want = jnp.zeros((b, c), bool)
+            tok = jnp.zeros((b, c), jnp.int32)
+            for last, drafted in zip(lasts, lad):
+                here = (slots[None] == last[:, None]) & (last >= 0)[:, None]
+                want = want | here
+                tok = jnp.where(here, drafted[:, k:k + 1], tok)
             # sampling: a drafted token is a deterministic proposal, q = one-hot
             q_lad = q_none if greedy else jax.nn.one_hot(tok, tree.q.shape[-1])
-            tree, child = tree.spawn(want, tok, q_lad, KIND_LAD)
-            last = jnp.where(last >= 0, child[rows, jnp.maximum(last, 0)], -1)
+            tree, new = tree.spawn(want, tok, q_lad, KIND_LAD)
+            lasts = [jnp.where(last >= 0, new[rows, jnp.maximum(last, 0)], -1)
+                     for last in lasts]
         return tree
 
     @staticmethod
@@ -360,13 +405,14 @@ class LoopAhead(TreeMethod):
                                          == jnp.asarray(KINDS)[None, None, :, None])
         return jnp.argmax(of_kind, axis=-1).astype(jnp.int32), of_kind.any(-1)
 
-    def _feedback_sampling(self, tree: LoopTree, paused, probs, at_r2, has_kid, key):
-        """Sampling feedback at r2 for the nodes at_r2 [B, C]: with their depth-r2
-        distribution in place of the full-depth one, each child's chance of being accepted
-        (`draft_chances`, the verification cascade in expectation); the r2 proposal is drawn
-        from what the existing children leave (the cascade's residual, so it never repeats a
-        token that would have been accepted) when that chance is not zero; every child but the
-        likeliest (the new proposal included) pauses. Greedy is the one-hot case of this."""
+    def _feedback_sampling(self, tree: LoopTree, paused, probs, reads, at_r2, has_kid, key):
+        """Sampling feedback for the nodes reads [B, C] (at a readout in [r2, R)): with their
+        current distribution in place of the full-depth one, each child's chance of being
+        accepted (`draft_chances`, the verification cascade in expectation); at r2 (at_r2)
+        the r2 proposal is drawn from what the existing children leave (the cascade's
+        residual, so it never repeats a token that would have been accepted) when that chance
+        is not zero; every child but the likeliest (the new proposal included) pauses, the
+        likeliest resumes. Greedy is the one-hot case of this."""
         b, c = tree.valid.shape
         rows = jnp.arange(b)[:, None, None]
         slot, has = self._children(tree)
@@ -378,9 +424,14 @@ class LoopAhead(TreeMethod):
         score = jnp.concatenate([jnp.where(has, chance, -1.0),
                                  jnp.where(want, left, -1.0)[..., None]], axis=-1)
         best = jnp.argmax(score, axis=-1)  # [B, C]
-        pause = at_r2[..., None] & has & (jnp.arange(len(KINDS))[None, None] != best[..., None])
-        hit = (slot[..., None] == jnp.arange(c)[None, None, None]) & pause[..., None]
-        paused = paused | hit.any((1, 2))
+        judged = reads[..., None] & has  # [B, C, KINDS]
+        favoured = jnp.arange(len(KINDS))[None, None] == best[..., None]
+
+        def slots_of(m):  # [B, C, KINDS] -> the children's slots [B, C]
+            return ((slot[..., None] == jnp.arange(c)[None, None, None]) & m[..., None]).any(
+                (1, 2))
+
+        paused = (paused | slots_of(judged & ~favoured)) & ~slots_of(judged & favoured)
         tree, _ = tree.spawn(want, token, q_fb, KIND_FEEDBACK)
         return tree, paused
 

@@ -41,7 +41,8 @@ from lookahead_jax.generation import Output
 from lookahead_jax.method import First
 from lookahead_jax.looped.tree import LoopTree, commit_root, loop_advance, prefill_all_depths
 from lookahead_jax.looped.spec_sampling import DraftVerifier, verify_drafts
-from lookahead_jax.looped.tree_method import LoopStats, TreeMethod, loop_summary
+from lookahead_jax.looped.tree_method import (LoopStats, TreeMethod, discard_counts,
+                                              loop_summary)
 from lookahead_jax.sampling import Sampling
 from models.config import ConfigError
 from models.kv_cache import KVCache
@@ -119,6 +120,7 @@ def loopspec_step(model, state: LoopSpecState, *, d1: int, d2: int, sampling: Sa
     out, _ = state.out.emit(nxt[:, None], done_root.astype(jnp.int32), eos_ids)
     keep = done_root & accept
     root_pos = tree.pos[rows, root]
+    lost = discard_counts(tree, tree.discarded(keep, child, done_root & ~accept), r_full)
     tree = tree.keep_subtree(keep, child)
     tree = tree.restart(done_root & ~accept, nxt, root_pos + 1)
 
@@ -141,12 +143,7 @@ def loopspec_step(model, state: LoopSpecState, *, d1: int, d2: int, sampling: Sa
         kind = jnp.where(want2, 2, kind)
     tree, _ = tree.spawn(want, draft, q, kind)
 
-    live_i = live.astype(jnp.int32)
-    st = state.stats
-    stats = LoopStats(st.loops + live_i, st.advances + active.sum(1, dtype=jnp.int32),
-                      st.verified + done_root.astype(jnp.int32),
-                      st.accepted + keep.astype(jnp.int32),
-                      st.accepted_second + (keep & (which == 1)).astype(jnp.int32))
+    stats = state.stats.step(live, active, done_root, keep, keep & (which == 1), lost)
     return LoopSpecState(cache, out, tree, key, state.steps + 1, stats)
 
 

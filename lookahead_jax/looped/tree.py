@@ -115,6 +115,16 @@ class LoopTree:
                             parent=jnp.where(at_root, -1, tree.parent),
                             kind=jnp.where(at_root, 0, tree.kind))
 
+    def discarded(self, keep: jax.Array, new_root: jax.Array, restart: jax.Array) -> jax.Array:
+        """[B, C] the nodes a verification throws away, the committed root not counted: in
+        rows keep [B] (`keep_subtree` to new_root [B]) everything outside new_root's subtree,
+        in rows restart [B] (`restart`) every node."""
+        slots = jnp.arange(self.capacity)[None, :]
+        below = jnp.take_along_axis(self.anc, new_root[:, None, None], axis=2)[:, :, 0]
+        kept = below | (slots == new_root[:, None])
+        lost = (keep[:, None] & ~kept) | restart[:, None]
+        return self.valid & lost & (slots != self.root[:, None])
+
     def restart(self, rows: jax.Array, token: jax.Array, pos: jax.Array) -> "LoopTree":
         """In rows [B]: every node freed; a fresh root token [B] at position pos [B] in slot 0."""
         fresh = LoopTree.init(token, pos, self.capacity, self.h.shape[-1], self.h.dtype,
