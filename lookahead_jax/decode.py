@@ -82,6 +82,10 @@ class Options:
                                "looped-model presets only).", METHODS)
     lad: str | None = _flag(None, "--method=loopahead: a drafter file or train_lad workdir "
                             "(default: native proposals only).")
+    max_active: int | None = _flag(None, "--method=loopahead: the budget, tree nodes advanced "
+                                   "per step (default 0: every eligible node).")
+    lad_calls: int | None = _flag(None, "--method=loopahead: drafter calls per step "
+                                  "(default: 1).")
     pl_tokens: int | None = _flag(None, "--method=prompt_lookup: draft tokens per step, at most "
                                   "(default: 10).")
     pl_ngram: int | None = _flag(None, "--method=prompt_lookup: longest suffix searched for "
@@ -174,6 +178,7 @@ def build_cli_method(opts: Options, preset, sampling: Sampling, model_config=Non
         devices = preset_devices(preset)
     settings = dict(W=opts.W, N=opts.N, G=opts.G, prompt_seeding=opts.prompt_seeding,
                     pl_tokens=opts.pl_tokens, pl_ngram=opts.pl_ngram, lad=opts.lad,
+                    max_active=opts.max_active, lad_calls=opts.lad_calls,
                     attention=opts.attention, devices=devices)
     if name == "lookahead":
         settings["lookahead"] = preset.lookahead

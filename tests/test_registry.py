@@ -130,3 +130,18 @@ def test_cli_loopahead_uses_the_drafters_depth(depth2_drafter, tmp_path):
     assert code == 0
     extra = json.loads(out.read_text())["results"][0]["stats"]["extra"]
     assert (extra["r1"], extra["r2"]) == (2, 3)
+    assert (extra["max_active"], extra["lad_calls"]) == (0, 1)
+    # the budget and the drafter calls from the command line; refused for other methods
+    code = decode.run(decode.Options(config="tiny_raven", method="loopahead",
+                                     lad=depth2_drafter, prompt="What is a list?",
+                                     max_new_tokens=6, json_out=str(out), max_active=5,
+                                     lad_calls=2),
+                      stdin=io.StringIO(""), stdout=io.StringIO(), stderr=io.StringIO())
+    assert code == 0
+    extra = json.loads(out.read_text())["results"][0]["stats"]["extra"]
+    assert (extra["max_active"], extra["lad_calls"]) == (5, 2)
+    err = io.StringIO()
+    code = decode.run(decode.Options(config="tiny_raven", method="loopspec", max_active=5,
+                                     prompt="What is a list?", max_new_tokens=2),
+                      stdin=io.StringIO(""), stdout=io.StringIO(), stderr=err)
+    assert code == 2 and "only applies to --method=loopahead" in err.getvalue()
