@@ -161,6 +161,10 @@ def test_later_readouts_resume_and_pause_children():
     new, got = method._feedback(tree, paused, active, top, None, None, 4)
     assert got[0, :3].tolist() == [False, False, True]
     assert new.valid.sum() == 3  # nothing added at depth 3
+    # a depth-3 readout agreeing with no child changes nothing
+    _, same = method._feedback(tree, paused, active, jnp.asarray([[9, 0, 0, 0, 0]]), None,
+                               None, 4)
+    assert same[0, :3].tolist() == [False, True, False]
     at_r2 = tree.replace(depth=jnp.asarray([[2, 1, 1, 0, 0]]))
     new, got = method._feedback(at_r2, paused, active, jnp.asarray([[9, 0, 0, 0, 0]]), None,
                                 None, 4)
@@ -198,6 +202,8 @@ def test_budget_and_calls_are_checked():
         LoopAhead(max_active=-1)
     with pytest.raises(ConfigError, match="lad_calls"):
         LoopAhead(lad_calls=0)
+    with pytest.raises(ConfigError, match="suspend_below"):
+        LoopAhead(suspend_below=1.5)
 
 
 def test_near_zero_temperature_is_greedy(engine, plain):

@@ -77,13 +77,14 @@ def test_sampling_is_exact(name, use_drafter, scheduling, draw, exact_probs):
 
 def test_sampling_is_exact_with_later_readouts_a_budget_and_two_calls():
     """On the model with 4 loops the depth-3 readout judges the children again (pauses and
-    resumes them); a budget of 3 nodes per step and two drafter calls per row and step: the
-    scheduler decides which nodes advance and when, never what is emitted."""
+    resumes them); a budget of 3 nodes per step, two drafter calls per row and step, children
+    with a chance of at least 0.3 kept running: the scheduler decides which nodes advance and
+    when, never what is emitted."""
     model = make_small_model(num_loops=4)
     exact = exact_joint(model)
     tokens, stats = sample_many(model, LoopAhead(
         SETTINGS["t1"], r1=1, r2=2, drafter=table_drafter(exact), max_active=3, lad_calls=2,
-        window=8))
+        suspend_below=0.3, window=8))
     p, outside = check(exact(SETTINGS["t1"]), tokens, "4 loops, budget 3, 2 calls", stats)
     assert outside == 0
     assert p > ALPHA, f"chi-square p = {p:.3g}"

@@ -26,8 +26,10 @@ Each step is one batched call of the shared block over the scheduled nodes of th
 3. Feedback from depth r2 (scheduling): a node reaching r2 pauses every child whose token
    differs from its depth-r2 argmax, which suspends the child's subtree (K/V kept, not
    advanced), and adds that argmax as a child when none holds it. Each later intermediate
-   readout (depths r2 + 1 .. R - 1) judges the children again: the one it agrees with
-   resumes (eligible again), the others pause. An accepted child resumes (it becomes root).
+   readout (depths r2 + 1 .. R - 1) that agrees with one of the children judges them again:
+   that one resumes (eligible again), the others pause (a readout agreeing with none
+   changes nothing: no proposal is added after r2). An accepted child resumes (it becomes
+   the root).
 4. Budget: at most `max_active` nodes advance per step (0: all eligible), by priority
    (`priority_rank`): nearest position first, then the deeper node; a node never runs deeper
    than its ancestors (suspension covers whole subtrees).
@@ -139,9 +141,11 @@ class LoopAhead(TreeMethod):
     ablation); scheduling: feedback from r2 on (suspension, resumption and the r2 proposal)
     on / off (the "scheduling off" ablation); max_active: the budget, nodes advanced per step
     in priority order (0: all eligible); lad_calls: drafter calls per row and step (each from
-    an eligible node at r1); window: the drafter's context positions; capacity: tree nodes
-    (0: automatic); verifier: the acceptance rule when sampling (tests plant wrong ones).
-    `lookahead_jax.registry` builds it with r1 taken from the drafter."""
+    an eligible node at r1); suspend_below (sampling): a child the feedback readout gives
+    at least this chance of acceptance keeps running beside the likeliest (1: only the
+    likeliest runs, the greedy rule's counterpart); window: the drafter's context positions;
+    capacity: tree nodes (0: automatic); verifier: the acceptance rule when sampling (tests
+    plant wrong ones). `lookahead_jax.registry` builds it with r1 taken from the drafter."""
 
     r1: int = 1
     r2: int = 2
@@ -149,6 +153,7 @@ class LoopAhead(TreeMethod):
     scheduling: bool = True
     max_active: int = 0
     lad_calls: int = 1
+    suspend_below: float = 1.0
     window: int = 32
     capacity: int = 0
     verifier: DraftVerifier = verify_drafts
@@ -160,6 +165,9 @@ class LoopAhead(TreeMethod):
         if self.r1 < 1 or (self.r2 and self.r2 <= self.r1):
             raise ConfigError(f"loopahead: need 1 <= r1 < r2 (or r2 = 0), got {self.r1}, "
                               f"{self.r2}")
+        if not 0.0 <= self.suspend_below <= 1.0:
+            raise ConfigError(f"loopahead: suspend_below must lie in [0, 1], got "
+                              f"{self.suspend_below}")
         if self.max_active < 0 or self.lad_calls < 1:
             raise ConfigError(f"loopahead: need max_active >= 0 (0: no budget) and lad_calls "
                               f">= 1, got {self.max_active}, {self.lad_calls}")
@@ -333,11 +341,13 @@ class LoopAhead(TreeMethod):
             return self._feedback_sampling(tree, paused, probs, reads, at_r2, kids.any(-1),
                                            key)
         # greedy: every child but the readout's argmax pauses, the argmax's resumes; at r2
-        # the argmax is added when no child holds it
+        # the argmax is added when no child holds it; after r2, a readout that no child
+        # agrees with leaves the children as they were (nothing would run in their place)
         par = jnp.maximum(tree.parent, 0)
+        has_fb = (kids & (tree.token[:, None, :] == top[:, :, None])).any(-1)
+        reads = at_r2 | (reads & has_fb)
         judged = tree.valid & (tree.parent >= 0) & reads[rows[:, None], par]
         paused = jnp.where(judged, tree.token != top[rows[:, None], par], paused)
-        has_fb = (kids & (tree.token[:, None, :] == top[:, :, None])).any(-1)
         tree, _ = tree.spawn(at_r2 & kids.any(-1) & ~has_fb, top,
                              jnp.zeros((b, c, 1), jnp.float32), KIND_FEEDBACK)
         return tree, paused
@@ -412,7 +422,8 @@ class LoopAhead(TreeMethod):
         the r2 proposal is drawn from what the existing children leave (the cascade's
         residual, so it never repeats a token that would have been accepted) when that chance
         is not zero; every child but the likeliest (the new proposal included) pauses, the
-        likeliest resumes. Greedy is the one-hot case of this."""
+        likeliest (and, with suspend_below < 1, any child given at least that chance)
+        resumes. Greedy is the one-hot case of this."""
         b, c = tree.valid.shape
         rows = jnp.arange(b)[:, None, None]
         slot, has = self._children(tree)
@@ -431,7 +442,10 @@ class LoopAhead(TreeMethod):
             return ((slot[..., None] == jnp.arange(c)[None, None, None]) & m[..., None]).any(
                 (1, 2))
 
-        paused = (paused | slots_of(judged & ~favoured)) & ~slots_of(judged & favoured)
+        # a child the readout gives little chance pauses; the likeliest (and any child given at
+        # least `suspend_below`) runs
+        runs = favoured | (chance >= self.suspend_below)
+        paused = (paused | slots_of(judged & ~runs)) & ~slots_of(judged & runs)
         tree, _ = tree.spawn(want, token, q_fb, KIND_FEEDBACK)
         return tree, paused
 
