@@ -18,14 +18,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAD = os.path.join(REPO, "checkpoints", "tiny_ouro_lad")
 
 
-def test_ablation_table(tmp_path):
+def _run(tmp_path, budgets, **kw) -> dict:
+    """The ablation on one GSM8K prompt of the test's own files, 8 new tokens."""
     from benchmarks import loopahead_ablation as ab  # noqa: PLC0415
     if not os.path.isdir(LAD):
         pytest.skip(f"no shipped drafter at {LAD}")
     os.makedirs(tmp_path / "data")
     data = write_data(tmp_path / "data", n=1)
-    rec = ab.run("tiny_ouro", LAD, [4], ["gsm8k"], 1, 8, data_dir=data,
-                 ckpt=os.path.join(REPO, "checkpoints", "tiny_ouro"), log=lambda m: None)
+    return ab.run("tiny_ouro", LAD, budgets, ["gsm8k"], 1, 8, data_dir=data,
+                  ckpt=os.path.join(REPO, "checkpoints", "tiny_ouro"), log=lambda m: None,
+                  **kw)
+
+
+def test_ablation_table(tmp_path):
+    from benchmarks import loopahead_ablation as ab  # noqa: PLC0415
+    rec = _run(tmp_path, [4])
     rows = rec["rows"]
     assert [(r["lad"], r["scheduling"]) for r in rows] == [
         (True, True), (True, False), (False, True), (False, False), (None, None)]
@@ -43,13 +50,7 @@ def test_ablation_table(tmp_path):
 
 def test_ablation_sampling(tmp_path):
     from benchmarks import loopahead_ablation as ab  # noqa: PLC0415
-    if not os.path.isdir(LAD):
-        pytest.skip(f"no shipped drafter at {LAD}")
-    os.makedirs(tmp_path / "data")
-    data = write_data(tmp_path / "data", n=1)
-    rec = ab.run("tiny_ouro", LAD, [0], ["gsm8k"], 1, 8, data_dir=data,
-                 ckpt=os.path.join(REPO, "checkpoints", "tiny_ouro"), sampling=Sampling(1.0),
-                 seed=3, log=lambda m: None)
+    rec = _run(tmp_path, [0], sampling=Sampling(1.0), seed=3)
     assert rec["sampling"] == {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 3}
     rows = rec["rows"]
     assert all(r["exact"] is None and 0 <= r["acceptance"] <= 1 for r in rows)

@@ -105,24 +105,25 @@ class LoopTree:
     def keep_subtree(self, rows: jax.Array, new_root: jax.Array) -> "LoopTree":
         """In rows [B]: new_root [B] becomes the root; everything outside its subtree (the old
         root included) is freed."""
-        c = self.capacity
-        is_root = jnp.arange(c)[None, :] == new_root[:, None]
-        below = jnp.take_along_axis(self.anc, new_root[:, None, None], axis=2)[:, :, 0]  # [B, C]
-        drop = rows[:, None] & ~(is_root | below)
+        is_root = jnp.arange(self.capacity)[None, :] == new_root[:, None]
+        drop = rows[:, None] & ~self.subtree(new_root)
         tree = self.free(drop)
         at_root = rows[:, None] & is_root
         return tree.replace(root=jnp.where(rows, new_root, tree.root),
                             parent=jnp.where(at_root, -1, tree.parent),
                             kind=jnp.where(at_root, 0, tree.kind))
 
+    def subtree(self, new_root: jax.Array) -> jax.Array:
+        """[B, C] the node new_root [B] and its descendants."""
+        is_root = jnp.arange(self.capacity)[None, :] == new_root[:, None]
+        return is_root | jnp.take_along_axis(self.anc, new_root[:, None, None], axis=2)[:, :, 0]
+
     def discarded(self, keep: jax.Array, new_root: jax.Array, restart: jax.Array) -> jax.Array:
         """[B, C] the nodes a verification throws away, the committed root not counted: in
         rows keep [B] (`keep_subtree` to new_root [B]) everything outside new_root's subtree,
         in rows restart [B] (`restart`) every node."""
         slots = jnp.arange(self.capacity)[None, :]
-        below = jnp.take_along_axis(self.anc, new_root[:, None, None], axis=2)[:, :, 0]
-        kept = below | (slots == new_root[:, None])
-        lost = (keep[:, None] & ~kept) | restart[:, None]
+        lost = (keep[:, None] & ~self.subtree(new_root)) | restart[:, None]
         return self.valid & lost & (slots != self.root[:, None])
 
     def restart(self, rows: jax.Array, token: jax.Array, pos: jax.Array) -> "LoopTree":
