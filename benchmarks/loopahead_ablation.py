@@ -4,7 +4,9 @@ budgets (nodes advanced per step), beside plain decoding and LoopSpec at the sam
 
     python -m benchmarks.loopahead_ablation --config=tiny_ouro --lad=checkpoints/tiny_ouro_lad
 
-Greedy by default; `--temperature=0.7` (top-k / top-p as the CLI's) samples instead. Per
+`--r2` sets the feedback depth (default 2 r1). Greedy by default; `--temperature=0.7` (top-k /
+top-p as the CLI's) samples instead, and `--node_costs=0.1,0.3` adds the drafter with
+calibrated retention (`retain="calibrated"`, one pair of rows per node cost). Per
 budget and method, over the prompts of each data set: shared-block calls (loops)
 per output token relative to plain decoding's R, candidate advances per token, the share of
 all advances spent on nodes that verification discarded, the share of discarded nodes that had
@@ -42,6 +44,11 @@ def define_flags() -> None:
     flags.DEFINE_string("ckpt", None, "Checkpoint (default: checkpoints/<config>).")
     flags.DEFINE_string("lad", None, "Drafter: a train_lad workdir or its drafter file.")
     flags.DEFINE_list("budgets", ["0", "4", "8"], "Nodes advanced per step (0: no budget).")
+    flags.DEFINE_integer("r2", None, "Feedback depth (default 2 r1, or 0 when that is not "
+                         "below R).")
+    flags.DEFINE_list("node_costs", [], "Sampling: also the drafter with calibrated retention "
+                      "(retain=calibrated) at each of these node costs (the drafter needs a "
+                      "calibration: python -m train_lad.calibrate).")
     flags.DEFINE_list("sets", ["gsm8k", "humaneval", "mt_bench"], "Prompt sets.")
     flags.DEFINE_integer("num_prompts", 5, "Prompts per data set.")
     flags.DEFINE_integer("max_new_tokens", 64, "New tokens per prompt.")
@@ -55,22 +62,30 @@ def define_flags() -> None:
 
 
 def ablation_methods(engine, lad: str, budget: int, loopspec: bool = True,
-                     sampling: Sampling = Sampling()) -> dict:
-    """(label, drafter on, scheduling on) -> Method: LoopAhead with the drafter on / off x
-    scheduling on / off at the drafter's depths and the budget, and (with `loopspec`) LoopSpec
-    proposing at the same depths (None, None; it has no budget)."""
+                     sampling: Sampling = Sampling(), r2: int | None = None,
+                     node_costs: tuple[float, ...] = ()) -> dict:
+    """(label, drafter on, scheduling on, node cost) -> Method: LoopAhead with the drafter on
+    / off x scheduling on / off at the drafter's depths (r1 its draft depth, r2 given or 2 r1)
+    and the budget (node cost None), the drafter with calibrated retention at each of
+    node_costs (sampling), and (with `loopspec`) LoopSpec proposing at the same depths (None,
+    None, None; it has no budget)."""
     drafted = engine.build_method("loopahead", sampling, lad=lad)
     r1, loops = drafted.r1, engine.config.num_loops
-    r2 = 2 * r1 if 2 * r1 < loops else 0
+    if r2 is None:
+        r2 = 2 * r1 if 2 * r1 < loops else 0
     out = {}
-    for lad_on in (True, False):
+    for lad_on, cost in [(True, None), *((True, float(c)) for c in node_costs),
+                         (False, None)]:
         for sched in (True, False):
-            label = f"LAD {'on' if lad_on else 'off'}, scheduling {'on' if sched else 'off'}"
-            out[label, lad_on, sched] = engine.build_method(
+            label = (f"LAD {'on' if lad_on else 'off'}"
+                     + ("" if cost is None else f" (calibrated, node cost {cost:g})")
+                     + f", scheduling {'on' if sched else 'off'}")
+            extra = {} if cost is None else {"retain": "calibrated", "node_cost": cost}
+            out[label, lad_on, sched, cost] = engine.build_method(
                 "loopahead", sampling, lad=drafted.drafter if lad_on else None, r1=r1, r2=r2,
-                scheduling=sched, max_active=budget)
+                scheduling=sched, max_active=budget, **extra)
     if loopspec:
-        out[f"LoopSpec (d1={r1}, d2={r2})", None, None] = engine.build_method(
+        out[f"LoopSpec (d1={r1}, d2={r2})", None, None, None] = engine.build_method(
             "loopspec", sampling, d1=r1, d2=r2)
     return out
 
@@ -85,7 +100,7 @@ def measure(engine, method, prompts: list[list[int]], new: int, seed: int = 0) -
         r = engine.generate_ids([p], method=method, max_new_tokens=new, seed=seed)
         lo, ad, ve = loop_counts(method, r, r_full)
         e = r.stats.extra
-        acc = round(e.get("draft_acceptance", 0.0) * ve) if ve else 0
+        acc = e.get("accepted", 0)  # verifications that kept a drafted child
         for k, v in (("loops", lo), ("advances", ad), ("verified", ve), ("accepted", acc),
                      ("discarded", e.get("discarded", 0)),
                      ("discarded_advances", e.get("discarded_advances", 0)),
@@ -109,7 +124,8 @@ def summarize(tot: dict, plain: dict, r_full: int, greedy: bool = True) -> dict:
 
 def run(config: str, lad: str, budgets: list[int], sets: list[str], num_prompts: int,
         new: int, data_dir: str | None = None, ckpt: str | None = None,
-        sampling: Sampling = Sampling(), seed: int = 0,
+        sampling: Sampling = Sampling(), seed: int = 0, r2: int | None = None,
+        node_costs: tuple[float, ...] = (),
         log=lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
     from lookahead_jax.engine import Engine  # noqa: PLC0415
     ckpt = ckpt or os.path.join("checkpoints", config)
@@ -120,18 +136,20 @@ def run(config: str, lad: str, budgets: list[int], sets: list[str], num_prompts:
     plain = measure(engine, engine.build_method("ar", sampling), prompts, new, seed)
     rows = []
     for i, budget in enumerate(budgets):
-        methods = ablation_methods(engine, lad, budget, loopspec=i == 0, sampling=sampling)
-        for (label, lad_on, sched), method in methods.items():
+        methods = ablation_methods(engine, lad, budget, loopspec=i == 0, sampling=sampling,
+                                   r2=r2, node_costs=node_costs)
+        for (label, lad_on, sched, cost), method in methods.items():
             row = {"budget": budget if lad_on is not None else None, "method": label,
-                   "lad": lad_on, "scheduling": sched,
+                   "lad": lad_on, "scheduling": sched, "node_cost": cost,
+                   "capacity": method.tree_capacity(r_full),
                    **summarize(measure(engine, method, prompts, new, seed), plain, r_full,
                                sampling.greedy)}
             rows.append(row)
             log(f"budget {budget} {label}: {row} ({time.time() - start:.0f} s)")
     for row in rows:  # scheduling's effect: off over on, same drafter and budget
         if row["scheduling"]:
-            off, = [r for r in rows if (r["budget"], r["lad"], r["scheduling"])
-                    == (row["budget"], row["lad"], False)]
+            off, = [r for r in rows if (r["budget"], r["lad"], r["node_cost"], r["scheduling"])
+                    == (row["budget"], row["lad"], row["node_cost"], False)]
             row["sched_gain"] = off["loops_vs_plain"] / row["loops_vs_plain"]
     return {"config": config, "checkpoint": ckpt, "lad": lad, "num_loops": r_full,
             "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k,
@@ -159,9 +177,14 @@ def main(argv) -> int:
         print("error: --lad (a drafter file or train_lad workdir) is required", file=sys.stderr)
         return 2
     sampling = Sampling(FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
+    if FLAGS.node_costs and sampling.greedy:
+        print("error: --node_costs (calibrated retention) applies to sampling: give a "
+              "--temperature", file=sys.stderr)
+        return 2
     rec = run(FLAGS.config, FLAGS.lad, [int(b) for b in FLAGS.budgets], FLAGS.sets,
               FLAGS.num_prompts, FLAGS.max_new_tokens, FLAGS.data_dir, FLAGS.ckpt,
-              sampling=sampling, seed=FLAGS.seed)
+              sampling=sampling, seed=FLAGS.seed, r2=FLAGS.r2,
+              node_costs=tuple(float(c) for c in FLAGS.node_costs))
     mode = "greedy" if sampling.greedy else f"sampling ({sampling})"
     md = (f"# LoopAhead ablation: {rec['config']} (R = {rec['num_loops']}), {rec['prompts']} "
           f"prompts ({', '.join(rec['sets'])}), {rec['max_new_tokens']} new tokens, {mode}\n\n"

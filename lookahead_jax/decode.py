@@ -86,6 +86,12 @@ class Options:
                                    "per step (default 0: every eligible node).")
     lad_calls: int | None = _flag(None, "--method=loopahead: drafter calls per step "
                                   "(default: 1).")
+    retain: str | None = _flag(None, "--method=loopahead, sampling: all (a chain keeps the "
+                               "drafter's K tokens, the default) or calibrated (calls and "
+                               "chain lengths from the drafter's calibration and --node_cost).",
+                               ("all", "calibrated"))
+    node_cost: float | None = _flag(None, "--method=loopahead --retain=calibrated: a tree "
+                                    "node's execution cost in expected tokens (default 0.1).")
     pl_tokens: int | None = _flag(None, "--method=prompt_lookup: draft tokens per step, at most "
                                   "(default: 10).")
     pl_ngram: int | None = _flag(None, "--method=prompt_lookup: longest suffix searched for "
@@ -179,6 +185,7 @@ def build_cli_method(opts: Options, preset, sampling: Sampling, model_config=Non
     settings = dict(W=opts.W, N=opts.N, G=opts.G, prompt_seeding=opts.prompt_seeding,
                     pl_tokens=opts.pl_tokens, pl_ngram=opts.pl_ngram, lad=opts.lad,
                     max_active=opts.max_active, lad_calls=opts.lad_calls,
+                    retain=opts.retain, node_cost=opts.node_cost,
                     attention=opts.attention, devices=devices)
     if name == "lookahead":
         settings["lookahead"] = preset.lookahead

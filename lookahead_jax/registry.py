@@ -17,7 +17,7 @@ as the command-line flags:
     loopahead      lad (a LadDrafter, a drafter file or a train_lad workdir), r1 (default: the
                    drafter's draft depth, else 1), r2 (default r1 + 1, 0 when that is not
                    below the model's loops), scheduling, max_active, lad_calls, suspend_below,
-                   window, capacity, verifier
+                   retain, node_cost, window, capacity, verifier
 
 With `model_config` the method is also checked against the model (`Method.check`: a looped
 method needs a looped model, depths below its loops; a drafter must fit the model).
@@ -50,7 +50,7 @@ SETTINGS = {
     "prompt_lookup": ("pl_tokens", "pl_ngram", "verifier"),
     "loopspec": ("d1", "d2", "capacity", "verifier"),
     "loopahead": ("lad", "r1", "r2", "scheduling", "max_active", "lad_calls", "suspend_below",
-                  "window", "capacity", "verifier"),
+                  "retain", "node_cost", "window", "capacity", "verifier"),
 }
 
 

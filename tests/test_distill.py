@@ -47,6 +47,23 @@ def test_settings_validated():
         dataclasses.replace(CFG, mixture=(0.5, 0.5, 0.5, 0.5))
 
 
+def test_command_flags_set_the_recipe():
+    """--prelude_layers ... --loop_weights set the recipe's shape; a bad one exits with the
+    reason."""
+    from train_looped.distill import config_from_flags  # noqa: PLC0415
+    cfg = config_from_flags({"prelude_layers": 14, "replaced_layers": 4, "core_layers": 1,
+                             "num_loops": 4, "out_scale": 0.25, "peak_lr": 1e-3,
+                             "loop_weights": ["1", "1", "1", "2"], "steps": None})
+    assert (cfg.prelude_layers, cfg.replaced_layers, cfg.core_layers, cfg.num_loops) == (
+        14, 4, 1, 4)
+    assert cfg.teacher_depths == [14, 15, 16, 17, 18] and cfg.loop_weights == (1, 1, 1, 2)
+    assert cfg.peak_lr == 1e-3 and cfg.batch_size == 8  # the rest: the defaults
+    with pytest.raises(SystemExit, match="must be a multiple of num_loops"):
+        config_from_flags({"replaced_layers": 6, "num_loops": 4})
+    with pytest.raises(SystemExit, match="loop_weights has 4 entries, num_loops is 3"):
+        config_from_flags({"replaced_layers": 6, "num_loops": 3})
+
+
 def test_chat_documents_keep_their_turns():
     from train_looped.corpus import chat_text  # noqa: PLC0415
     msgs = distill.chat_messages(chat_text("How many legs?\n", "Four.\n\n#### 4"))

@@ -95,6 +95,24 @@ def test_untrained_drafter_equals_plain(engine, plain, head, arch, kw):
     assert res.stats.extra["drafter_arch"] == arch
 
 
+def test_residual_head_drafter_at_a_deeper_loop_equals_plain(engine, plain):
+    """A drafter with a residual head (Raven's: a backbone trained on one loop drafting from a
+    deeper loop's states) at r1 = 2, its head not zero (so it changes the drafts): output
+    still equals plain greedy; the registry takes r1 from its draft depth."""
+    cfg = engine.config
+    net = LookaheadDrafter(DrafterShape(cfg.hidden_size, cfg.vocab_size, 32, 1, 2, 3, 50,
+                                        head="model", arch="queries", residual=8),
+                           rngs=nnx.Rngs(1))
+    net.residual_up.kernel[...] = 0.5 * jnp.ones_like(net.residual_up.kernel[...])
+    drafter = LadDrafter(net, np.arange(0, 97, 2)[:50], draft_depth=2, backbone_depth=1)
+    assert (drafter.residual, drafter.backbone_depth) == (8, 1)
+    res = run(engine, LoopAhead(r1=2, r2=3 if cfg.num_loops > 3 else 0, drafter=drafter,
+                                window=8))
+    assert res.tokens == plain
+    from lookahead_jax.registry import build_method  # noqa: PLC0415
+    assert build_method("loopahead", lad=drafter, model_config=cfg).r1 == 2
+
+
 def test_request_tokens():
     """The drafter's extra vocabulary: the prompt's tokens, the outputs so far, EOS."""
     out = Output(jnp.asarray([[7, 8, 0, 0], [9, 0, 0, 0]]), jnp.asarray([2, 1]),

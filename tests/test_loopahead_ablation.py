@@ -50,9 +50,14 @@ def test_ablation_table(tmp_path):
 
 def test_ablation_sampling(tmp_path):
     from benchmarks import loopahead_ablation as ab  # noqa: PLC0415
-    rec = _run(tmp_path, [0], sampling=Sampling(1.0), seed=3)
+    rec = _run(tmp_path, [0], sampling=Sampling(1.0), seed=3, node_costs=(0.2,))
     assert rec["sampling"] == {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 3}
     rows = rec["rows"]
     assert all(r["exact"] is None and 0 <= r["acceptance"] <= 1 for r in rows)
     assert any(r["acceptance"] > 0 for r in rows)
-    assert "n/a (sampling)" in ab.table(rec)
+    md = ab.table(rec)
+    assert "n/a (sampling)" in md
+    # the shipped drafter is calibrated: rows with calibrated retention, scheduling on / off
+    assert [(r["lad"], r["node_cost"], r["scheduling"]) for r in rows[:4]] == [
+        (True, None, True), (True, None, False), (True, 0.2, True), (True, 0.2, False)]
+    assert "sched_gain" in rows[2] and "LAD on (calibrated, node cost 0.2), scheduling on" in md

@@ -93,6 +93,81 @@ def test_sampling_is_exact_with_later_readouts_a_budget_and_two_calls():
     assert stats["drafter_accepted"] > 0.02 * SAMPLES, stats
 
 
+class CalibratedTableDrafter(AnchorTableDrafter):
+    """AnchorTableDrafter with confidences (0.9 after an even anchor, 0.1 after an odd one)
+    and a `Calibration` whose match probability is 0.9 in the upper half of confidences, 0.02
+    in the lower: `retain="calibrated"` keeps the chains after even anchors (as a node's cost
+    allows) and drops the others."""
+
+    def __init__(self, table: np.ndarray):
+        super().__init__(table)
+        from lookahead_jax.looped.drafter import Calibration  # noqa: PLC0415
+        k = table.shape[1]
+        self.calibration = Calibration(np.asarray([0.5, 1.0], np.float32),
+                                       np.tile(np.asarray([0.02, 0.9], np.float32), (2, k, 1)))
+        self.params = {**self.params, "calibration": self.calibration.arrays()}
+
+    def draft(self, params, states, anchors, positions, mask, with_confidence=False, **_):
+        ids = params["table"][anchors[:, -1]]
+        conf = jnp.where(anchors[:, -1:] % 2 == 0, 0.9, 0.1) * jnp.ones(ids.shape)
+        return (ids, conf) if with_confidence else ids
+
+
+@pytest.mark.parametrize("node_cost", [0.2, 1.5])
+def test_sampling_is_exact_with_calibrated_retention(node_cost, exact_probs, small_model):
+    """retain="calibrated": whether the drafter is called and how much of its chain is kept
+    depend on the anchor's chance and the drafter's confidences (never on the verdict), so
+    sampling stays exact; at a node cost of 0.2 some chains are kept and accepted, at 1.5
+    (more than any token can earn) the drafter is never called."""
+    drafter = CalibratedTableDrafter(np.asarray(table_drafter(exact_probs).params["table"]))
+    tokens, stats = sample_many(small_model, LoopAhead(
+        SETTINGS["t1"], r1=1, r2=2, drafter=drafter, retain="calibrated", node_cost=node_cost,
+        window=8))
+    p, outside = check(exact_probs(SETTINGS["t1"]), tokens, f"calibrated {node_cost}", stats)
+    assert outside == 0
+    assert p > ALPHA, f"chi-square p = {p:.3g}"
+    assert stats["retain"] == "calibrated" and stats["node_cost"] == node_cost
+    if node_cost < 1:
+        assert stats["drafter_accepted"] > 0.02 * SAMPLES, stats
+    else:
+        assert stats["drafter_accepted"] == 0, stats
+
+
+def test_retained_length():
+    """The chain length maximising expected accepted tokens minus node_cost per node, the
+    shorter on ties; match probabilities read at the nearest calibrated temperature."""
+    from lookahead_jax.looped.drafter import Calibration, match_probability  # noqa: PLC0415
+    from lookahead_jax.looped.loopahead import retained_length  # noqa: PLC0415
+    a = jnp.asarray([1.0, 1.0, 0.5, 1.0, 1.0])
+    m = jnp.asarray([[0.9, 0.9, 0.9], [0.9, 0.1, 0.9], [0.9, 0.9, 0.9], [0.5, 1.0, 1.0],
+                     [0.0, 0.0, 0.0]])
+    # row 0: survivals .9 .81 .73 all > .3; row 1: .9 .09 (< .3) .08; row 2: .45 .41 .36 > .3;
+    # row 3: .5 .5 .5 = .5 each: ties at cost .5 keep none; row 4: nothing to gain
+    assert retained_length(a, m, 0.3).tolist() == [3, 1, 3, 3, 0]
+    assert retained_length(a, m, 0.5).tolist() == [3, 1, 0, 0, 0]
+    assert retained_length(a, m, 0.0).tolist() == [3, 3, 3, 3, 0]
+    table = np.stack([np.full((3, 4), 0.1), np.tile([0.2, 0.4, 0.6, 0.8], (3, 1))])
+    cal = Calibration(np.asarray([0.5, 1.0], np.float32), table.astype(np.float32)).arrays()
+    conf = jnp.asarray([[0.0, 0.3, 0.99], [0.5, 0.74, 1.0]])
+    np.testing.assert_allclose(match_probability(cal, 0.9, conf),
+                               [[0.2, 0.4, 0.8], [0.6, 0.6, 0.8]])
+    np.testing.assert_allclose(match_probability(cal, 0.6, conf), np.full((2, 3), 0.1))
+
+
+def test_calibrated_retention_is_checked(drafter):
+    """retain="calibrated" needs sampling and a calibrated drafter; bad values are refused."""
+    from models.config import ConfigError  # noqa: PLC0415
+    from lookahead_jax.sampling import Sampling  # noqa: PLC0415
+    with pytest.raises(ConfigError, match="greedy decoding keeps every drafted token"):
+        LoopAhead(Sampling(), drafter=drafter, retain="calibrated")
+    with pytest.raises(ConfigError, match="needs a drafter with a calibration"):
+        LoopAhead(SETTINGS["t1"], drafter=drafter, retain="calibrated")
+    with pytest.raises(ConfigError, match="retain must be one of all, calibrated"):
+        LoopAhead(SETTINGS["t1"], drafter=drafter, retain="some")
+    with pytest.raises(ConfigError, match="node_cost must be >= 0"):
+        LoopAhead(SETTINGS["t1"], drafter=drafter, node_cost=-1.0)
+
+
 # sampling_checks.cascade: verify_drafts with a planted mistake (the inverted ratio
 # min(1, q/r); no residual update after a rejection)
 WRONG = {"inverted_ratio": cascade(inverted=True), "target_residual": cascade(keep_target=True)}

@@ -136,6 +136,8 @@ def test_train_select_resume(model, tmp_path):
     drafter = LadDrafter.load(tmp_path / "full", model.config)
     assert (drafter.K, drafter.head, drafter.arch, drafter.draft_depth) == (2, "vocab",
                                                                              "heads", 1)
+    # calibrated for sampling on the development split
+    assert drafter.calibration.table.shape == (3, 2, 10) and "calibration" in full
     assert len(drafter.params["vocab"]) <= 64
     # the reported dev figure is the best one logged, and the file's drafter's, recomputed
     # independently (the file holds the selected checkpoint)
@@ -181,25 +183,49 @@ def test_train_select_resume(model, tmp_path):
     assert _drafts(LadDrafter.load(tmp_path / "full")).tolist() == _drafts(drafter).tolist()
 
 
-@pytest.mark.parametrize("head,arch,anchor", [("vocab", "heads", "table"),
-                                              ("model", "heads", "table"),
-                                              ("model", "queries", "table"),
-                                              ("vocab", "queries", "model")])
-def test_drafter_file_round_trip(tmp_path, head, arch, anchor):
+@pytest.mark.parametrize("head,arch,anchor,residual", [("vocab", "heads", "table", 0),
+                                                       ("model", "heads", "table", 0),
+                                                       ("model", "queries", "table", 0),
+                                                       ("vocab", "queries", "model", 0),
+                                                       ("model", "queries", "model", 6)])
+def test_drafter_file_round_trip(tmp_path, head, arch, anchor, residual):
     """save_drafter_file then load_drafter_file (or LadDrafter.load of the file): the same
-    parameters, vocabulary, arch, anchor and depth, so the same drafts."""
+    parameters, vocabulary, arch, anchor, residual head and depths, so the same drafts."""
     shape = DrafterShape(state_size=32, vocab_size=97, hidden_size=32, num_layers=2,
-                         num_heads=2, K=3, draft_vocab=40, head=head, arch=arch, anchor=anchor)
+                         num_heads=2, K=3, draft_vocab=40, head=head, arch=arch, anchor=anchor,
+                         residual=residual)
     vocab = np.sort(np.random.default_rng(1).choice(97, 40, replace=False)).astype(np.int32)
     net = LookaheadDrafter(shape, rngs=nnx.Rngs(5))
+    if residual:
+        net.residual_up.kernel[...] = jnp.full_like(net.residual_up.kernel[...], 0.1)
     path = tmp_path / "d.safetensors"
-    save_drafter_file(path, net, vocab, draft_depth=2, model_family="ouro", model_loops=3)
+    backbone = 1 if residual else None
+    if residual:
+        with pytest.raises(ValueError, match="needs its backbone_depth"):
+            save_drafter_file(path, net, vocab, draft_depth=2, model_family="ouro",
+                              model_loops=3)
+    save_drafter_file(path, net, vocab, draft_depth=2, model_family="ouro", model_loops=3,
+                      backbone_depth=backbone)
     got = load_drafter_file(path, CONFIGS["ouro"])
     assert (got.K, got.head, got.arch, got.anchor, got.draft_depth) == (3, head, arch, anchor, 2)
+    assert (got.residual, got.backbone_depth) == (residual, backbone or 2)
+    assert got.calibration is None
+    if residual:  # a calibration added to the file; everything else stays as it was
+        from lookahead_jax.looped.drafter import Calibration, add_calibration  # noqa: PLC0415
+        cal = Calibration(np.asarray([0.7, 1.0], np.float32),
+                          np.random.default_rng(3).random((2, 3, 5)).astype(np.float32))
+        add_calibration(path, cal)
+        again = load_drafter_file(path, CONFIGS["ouro"])
+        np.testing.assert_array_equal(again.calibration.table, cal.table)
+        np.testing.assert_array_equal(again.calibration.temperatures, cal.temperatures)
+        for a, b in zip(jax.tree.leaves(got.params["net"]), jax.tree.leaves(again.params["net"])):
+            np.testing.assert_array_equal(a, b)
+        with pytest.raises(ValueError, match="a table for K = 2"):
+            add_calibration(path, Calibration(cal.temperatures, cal.table[:, :2]))
     assert np.asarray(got.params["vocab"]).tolist() == vocab.tolist()
     for a, b in zip(jax.tree.leaves(nnx.state(net)), jax.tree.leaves(got.params["net"])):
         np.testing.assert_array_equal(a, b)
-    want = LadDrafter(net, vocab, draft_depth=2)
+    want = LadDrafter(net, vocab, draft_depth=2, backbone_depth=backbone)
     kw = {}
     rng = np.random.default_rng(2)
     if head == "model":
@@ -208,6 +234,89 @@ def test_drafter_file_round_trip(tmp_path, head, arch, anchor):
         kw["out_embedding"] = jnp.asarray(rng.normal(size=(32, 97)), jnp.float32)
     assert _drafts(got, **kw).tolist() == _drafts(want, **kw).tolist()
     assert _drafts(LadDrafter.load(path), **kw).tolist() == _drafts(want, **kw).tolist()
+
+
+def test_residual_head_trains_over_a_frozen_backbone(model, tmp_path):
+    """Raven's residual head: a backbone drafter trained on loop 1's states, then a config
+    with a residual head at draft_depth 2 over it. Only the head trains (the backbone's
+    parameters and draft vocabulary come out unchanged, its loss falls); the head starts as
+    the backbone (its zero `up` projection adds nothing: the ablation figure
+    `backbone_dev_accepted_prefix` is the backbone's on loop 2's states); the file records
+    both depths and decoding loads it at depth 2; a backbone of another shape, and a residual
+    head without a backbone, are refused."""
+    base = dataclasses.replace(CFG, arch="queries", head="model")
+    run(base, tmp_path / "b", model=model, progress_bar=False, log=lambda m: None)
+    backbone = LadDrafter.load(tmp_path / "b", model.config)
+    cfg = dataclasses.replace(base, draft_depth=2, residual=8, backbone=str(tmp_path / "b"),
+                              lr=1e-2)
+    summary = run(cfg, tmp_path / "r", model=model, progress_bar=False, log=lambda m: None)
+    losses = _losses(tmp_path / "r")
+    assert losses[8] < losses[1]
+    assert summary["backbone_depth"] == 1
+    got = LadDrafter.load(tmp_path / "r", model.config)
+    assert (got.draft_depth, got.backbone_depth, got.residual) == (2, 1, 8)
+    assert np.asarray(got.params["vocab"]).tolist() == np.asarray(
+        backbone.params["vocab"]).tolist()
+    with safe_open(str(tmp_path / "r" / "drafter.safetensors"), "numpy") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    assert (meta["draft_depth"], meta["backbone_depth"], meta["residual"]) == ("2", "1", "8")
+    flat_b = {".".join(map(str, p)): v.get_value()
+              for p, v in nnx.to_flat_state(backbone.params["net"])}
+    for name, value in flat_b.items():  # the backbone is frozen
+        np.testing.assert_array_equal(tensors[name], value, err_msg=name)
+    assert np.abs(tensors["residual_up.kernel"]).max() > 0  # the head trained
+    # with its `up` projection at zero the network is the backbone (the head's start)
+    net = nnx.merge(got.graphdef, got.params["net"])
+    net.residual_up.kernel[...] = jnp.zeros_like(net.residual_up.kernel[...])
+    net.residual_up.bias[...] = jnp.zeros_like(net.residual_up.bias[...])
+    from lookahead_jax.looped.drafter import output_embedding  # noqa: PLC0415
+    emb = output_embedding(model)
+    states, anchors, pos, mask = _window(3, 6, 97)
+    bnet = nnx.merge(backbone.graphdef, backbone.params["net"])
+    np.testing.assert_allclose(np.asarray(net.features(states, anchors, pos, mask,
+                                                       embedding=emb)),
+                               np.asarray(bnet.features(states, anchors, pos, mask,
+                                                        embedding=emb)), rtol=1e-6, atol=1e-6)
+    # the backbone alone on loop 2's data, recomputed
+    dev = _dev_data(tmp_path / "r")
+    vocab = np.asarray(backbone.params["vocab"])
+    want = evaluate(backbone.params["net"], backbone.graphdef, dev,
+                    jnp.asarray(lad_data.to_draft_ids(vocab, CFG.model_vocab)), cfg,
+                    out_emb=emb[:, vocab])
+    np.testing.assert_allclose(summary["backbone_dev_accepted_prefix"], want, rtol=1e-6)
+    with pytest.raises(ConfigError, match="backbone's hidden_size is 32, the config's 16"):
+        run(dataclasses.replace(cfg, hidden_size=16), tmp_path / "x", model=model,
+            progress_bar=False, log=lambda m: None)
+    with pytest.raises(ConfigError, match="residual head .* and a backbone go together"):
+        dataclasses.replace(cfg, backbone=None)
+
+
+def test_calibration_measures_match_probabilities():
+    """train_lad.calibrate on a hand-made row: the k-th draft at position t is scored by the
+    full-depth target at position t + k (temperature-warped), counted only where the anchor
+    and the earlier drafts equal the continuation and the drafted token lies inside the row;
+    each confidence bin holds its mean shrunk to the k's mean (here every sample of a k falls
+    in one bin, so all its bins hold that mean)."""
+    from train_lad.calibrate import calibrate  # noqa: PLC0415
+    tokens = np.asarray([[0, 1, 2, 3, 0, 1]])
+    native = np.asarray([[9, 2, 3, 9, 1, 9]])  # right at t = 1, 2, 4
+    drafted = np.asarray([[[0, 0], [3, 0], [1, 1], [0, 0], [2, 2], [0, 0]]])  # t=1: both right
+    conf = np.asarray([[[0.5, 0.5], [0.95, 0.15], [0.95, 0.5], [0.5, 0.5], [0.9, 0.9],
+                        [0.5, 0.5]]])
+    probs = np.full((1, 6, 4), 0.25)
+    probs[0, 2] = [0.1, 0.2, 0.3, 0.4]
+    probs[0, 3] = [0.5, 0.25, 0.15, 0.1]
+    cal, info = calibrate(drafted, conf, tokens, native, np.log(probs), prompt_len=2,
+                          temperatures=(0.5, 1.0), bins=2)
+    # k = 1: t = 1 (p[2][3]) and t = 2 (p[3][1]); t = 4 would draft token 6, past the row.
+    # k = 2: t = 1 only (its first draft is right): p[3][0]
+    sq2, sq3 = probs[0, 2] ** 2 / (probs[0, 2] ** 2).sum(), probs[0, 3] ** 2 / (
+        probs[0, 3] ** 2).sum()
+    want = np.asarray([[[(sq2[3] + sq3[1]) / 2] * 2, [sq3[0]] * 2],
+                       [[(0.4 + 0.25) / 2] * 2, [0.5] * 2]])
+    np.testing.assert_allclose(cal.table, want, rtol=1e-5)
+    assert info["samples_per_k"] == [2, 1]
 
 
 def test_drafter_file_in_float16(tmp_path):

@@ -47,6 +47,9 @@ class LadConfig:
     arch: str = "queries"  # "queries" (the paper's: K future query positions) | "heads"
     anchor: str = "table"  # "table" (a trained row per token) | "model" (the model's output
     # embedding's column, projected: no vocabulary-sized table in the drafter file)
+    residual: int = 0  # > 0: train only a residual head of this bottleneck width on the
+    # states of draft_depth, over the frozen drafter `backbone` (trained on an earlier loop)
+    backbone: str | None = None  # a drafter file or train_lad workdir (relative: to the repo)
     prompt_len: int = 48
     continuation: int = 32
     num_train: int = 512
@@ -76,6 +79,10 @@ class LadConfig:
             raise ConfigError(f"lad config {self.name}: arch must be queries or heads")
         if self.anchor not in ("table", "model"):
             raise ConfigError(f"lad config {self.name}: anchor must be table or model")
+        if self.residual < 0 or bool(self.residual) != bool(self.backbone):
+            raise ConfigError(f"lad config {self.name}: a residual head (residual > 0) and a "
+                              f"backbone go together (residual {self.residual}, backbone "
+                              f"{self.backbone!r})")
         if self.prompt_source not in ("corpus", "random"):
             raise ConfigError(f"lad config {self.name}: prompt_source must be corpus or random")
 
@@ -112,6 +119,10 @@ CONFIGS = {
     # drafter file holds no 49,152-row table (8 MB instead of 58 MB)
     "smol_loop": for_preset("smol_loop", "smol_loop", draft_depth=1, num_train=256, num_dev=32,
                             num_confirm=32, anchor="model", **_TINY),
+    # Raven's residual head: the shipped depth-2 drafter, frozen, drafting from loop 4's states
+    # (better native proposals) through a 64-wide residual head trained on them
+    "tiny_raven_r4": for_preset("tiny_raven_r4", "tiny_raven", draft_depth=4, residual=64,
+                                backbone="checkpoints/tiny_raven_lad", **_TINY),
 }
 
 

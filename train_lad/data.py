@@ -28,6 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.config import ConfigError
+from train_lad.config import LadConfig, check_base_model
+
 SPLITS = ("train", "dev", "confirm")
 EVAL_FILES = ("gsm8k_test.jsonl", "HumanEval.jsonl.gz", "mt_bench_question.jsonl")
 
@@ -162,3 +165,39 @@ def to_draft_ids(vocab_ids: np.ndarray, vocab: int) -> np.ndarray:
     table = np.full((vocab,), -1, np.int32)
     table[vocab_ids] = np.arange(len(vocab_ids), dtype=np.int32)
     return table
+
+
+# ---- the frozen model and a config's prompts (train_lad.main, train_lad.calibrate) ----
+
+def load_base_model(cfg: LadConfig, ckpt: str | None = None):
+    from lookahead_jax.store.checkpoint import load_model_and_tokenizer  # noqa: PLC0415
+    from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
+    preset = load_preset(cfg.model_preset)
+    source = ckpt or cfg.model_ckpt or preset.checkpoint
+    if source is not None and source != "random" and not os.path.exists(source):
+        raise ConfigError(f"looped-model checkpoint {source} does not exist (train it with "
+                          f"train_looped, or pass --ckpt)")
+    if source is not None and os.path.isdir(source):
+        from models.looped_loader import load_looped_config  # noqa: PLC0415
+        check_base_model(cfg, load_looped_config(source), source)
+    model, tokenizer, where = load_model_and_tokenizer(preset, source, "float32")
+    check_base_model(cfg, model.config, where)
+    return model, tokenizer
+
+
+def split_prompts(cfg: LadConfig, tokenizer) -> dict[str, list[list[int]]]:
+    """The config's prompts per split (the same every time)."""
+    counts = {"train": cfg.num_train, "dev": cfg.num_dev, "confirm": cfg.num_confirm}
+    if cfg.prompt_source == "random" or tokenizer is None:
+        return random_prompts(cfg.model_vocab, cfg.prompt_len, counts, cfg.seed)
+    from train_looped.corpus import corpus_dir, read_split  # noqa: PLC0415
+    docs = read_split(corpus_dir() / "train.jsonl")
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    filt = EvalFilter(eval_prompts(repo.parent / "shared" / "data"))
+    return corpus_prompts(tokenizer, docs, cfg.prompt_len, counts, filt)
+
+
+def dev_split(cfg: LadConfig, model, tokenizer) -> dict[str, np.ndarray]:
+    """The development split's teacher data (tokens, states, native), as training builds it."""
+    return teacher_data(model, split_prompts(cfg, tokenizer)["dev"],
+                        continuation=cfg.continuation, draft_depth=cfg.draft_depth)

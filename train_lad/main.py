@@ -2,13 +2,14 @@
 
     python -m train_lad.main --config=tiny_ouro [--workdir=...] [--steps=...] [--ckpt=...]
                              [--arch=queries|heads] [--anchor=table|model]
-                             [--export_dtype=float32|float16]
+                             [--export_dtype=float32|float16] [--backbone=<drafter>]
 
 Steps: load the looped model named by the config (refused, with the field named, when its
 shape differs from the config's), build the data once (`train_lad.data`: prompts, the model's
 full-depth greedy continuations, early-loop states; cached in the workdir as `data.npz`), pick
 the draft vocabulary, then train (`train_lad.train`) with a progress bar, `metrics.jsonl` and
-Orbax checkpoints. Running the same command again resumes from the last checkpoint. Output in
+Orbax checkpoints, then calibrate the drafter for sampling on the development split
+(`train_lad.calibrate`). Running the same command again resumes from the last checkpoint. Output in
 the workdir: `drafter.safetensors` (the drafter chosen on the development split, written when
 training ends: the file decoding loads, `--method=loopahead --lad=<workdir>`,
 `lookahead_jax.looped.drafter.load_drafter_file`), `summary.json`, `lad_config.json` (the run's
@@ -16,6 +17,10 @@ settings), and for resuming `best/`, `latest/` (Orbax) and `data.npz` (the teach
 the draft vocabulary). `--export_dtype=float16` stores the drafter's parameters in half the
 bytes (the shipped drafters in `checkpoints/`); a finished workdir run again with it rewrites
 `drafter.safetensors` and `summary.json` without training.
+
+Raven's residual head: `--config=tiny_raven_r4` trains only a residual head on loop 4's
+states over the frozen shipped depth-2 drafter (`checkpoints/tiny_raven_lad`; `--backbone`
+names another), and the drafter it writes drafts at depth 4 (`train_lad.train`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from lookahead_jax.store.model_store import default_cache_dir
 from models.config import ConfigError
 from train_lad import config as lad_config
 from train_lad import data as lad_data
+from train_lad.data import load_base_model, split_prompts
+from lookahead_jax.looped.drafter import DRAFTER_FILE
 from train_lad.train import check_workdir, train
 
 FLAGS = flags.FLAGS
@@ -57,6 +64,8 @@ def define_flags() -> None:
     flags.DEFINE_enum("anchor", None, ["table", "model"], "The drafter's anchor embedding, "
                       "overriding the config's: table (a trained row per token) or model (the "
                       "looped model's output embedding, projected).")
+    flags.DEFINE_string("backbone", None, "For a residual-head config: the frozen drafter "
+                        "(file or train_lad workdir) overriding the config's.")
 
 
 def base_fingerprint(model) -> dict:
@@ -71,22 +80,6 @@ def base_fingerprint(model) -> dict:
     return {**fields, "params_sha256": h.hexdigest()[:16]}
 
 
-def load_base_model(cfg: lad_config.LadConfig, ckpt: str | None = None):
-    from lookahead_jax.store.checkpoint import load_model_and_tokenizer  # noqa: PLC0415
-    from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
-    preset = load_preset(cfg.model_preset)
-    source = ckpt or cfg.model_ckpt or preset.checkpoint
-    if source is not None and source != "random" and not os.path.exists(source):
-        raise ConfigError(f"looped-model checkpoint {source} does not exist (train it with "
-                          f"train_looped, or pass --ckpt)")
-    if source is not None and os.path.isdir(source):
-        from models.looped_loader import load_looped_config  # noqa: PLC0415
-        lad_config.check_base_model(cfg, load_looped_config(source), source)
-    model, tokenizer, where = load_model_and_tokenizer(preset, source, "float32")
-    lad_config.check_base_model(cfg, model.config, where)
-    return model, tokenizer
-
-
 def build_data(cfg: lad_config.LadConfig, model, tokenizer, workdir: pathlib.Path,
                fingerprint: dict, log=print) -> tuple[dict, np.ndarray]:
     """(split -> arrays, draft vocabulary), from `data.npz` when it was made by this model."""
@@ -98,15 +91,7 @@ def build_data(cfg: lad_config.LadConfig, model, tokenizer, workdir: pathlib.Pat
                     for s in lad_data.SPLITS}
             return data, z["draft_vocab"]
         log(f"{path}: made by another model; rebuilding")
-    counts = {"train": cfg.num_train, "dev": cfg.num_dev, "confirm": cfg.num_confirm}
-    if cfg.prompt_source == "random" or tokenizer is None:
-        prompts = lad_data.random_prompts(cfg.model_vocab, cfg.prompt_len, counts, cfg.seed)
-    else:
-        from train_looped.corpus import corpus_dir, read_split  # noqa: PLC0415
-        docs = read_split(corpus_dir() / "train.jsonl")
-        repo = pathlib.Path(__file__).resolve().parent.parent
-        filt = lad_data.EvalFilter(lad_data.eval_prompts(repo.parent / "shared" / "data"))
-        prompts = lad_data.corpus_prompts(tokenizer, docs, cfg.prompt_len, counts, filt)
+    prompts = split_prompts(cfg, tokenizer)
     data = {}
     for s in lad_data.SPLITS:
         log(f"teacher data: {s} ({len(prompts[s])} prompts)")
@@ -126,7 +111,8 @@ def build_data(cfg: lad_config.LadConfig, model, tokenizer, workdir: pathlib.Pat
 
 
 # the settings a workdir's checkpoints and data depend on: another value needs a fresh workdir
-DRAFTER_SETTINGS = ("arch", "head", "anchor", "K", "hidden_size", "num_layers", "num_heads",
+DRAFTER_SETTINGS = ("arch", "head", "anchor", "residual", "backbone_sha256", "K", "hidden_size",
+                    "num_layers", "num_heads",
                     "draft_vocab", "draft_depth", "prompt_len", "continuation", "num_train",
                     "num_dev", "num_confirm", "prompt_source", "seed")
 
@@ -137,12 +123,46 @@ def check_drafter_settings(cfg: lad_config.LadConfig, workdir: pathlib.Path) -> 
     path = workdir / "lad_config.json"
     if not path.exists():
         return
-    before = {"arch": "heads", "anchor": "table",  # runs from before these settings
-              **json.loads(path.read_text())}
+    before = {"arch": "heads", "anchor": "table", "residual": 0,  # runs before these settings
+              "backbone_sha256": None, **json.loads(path.read_text())}
+    mine = {**dataclasses.asdict(cfg), "backbone_sha256": backbone_digest(cfg)}
     for field in DRAFTER_SETTINGS:
-        if field in before and before[field] != getattr(cfg, field):
+        if field in before and before[field] != mine[field]:
             raise ConfigError(f"{workdir}: its run had {field} = {before[field]!r}, this one "
-                              f"{getattr(cfg, field)!r}; use a fresh workdir")
+                              f"{mine[field]!r}; use a fresh workdir")
+
+
+def backbone_file(cfg: lad_config.LadConfig) -> pathlib.Path | None:
+    """The residual head's backbone drafter file (a relative path is the repository's), or
+    None without a residual head."""
+    if not cfg.backbone:
+        return None
+    path = pathlib.Path(cfg.backbone)
+    if not path.is_absolute() and not path.exists():
+        path = pathlib.Path(__file__).resolve().parent.parent / path
+    if path.is_dir():
+        path = path / DRAFTER_FILE
+    if not path.is_file():
+        raise ConfigError(f"lad config {cfg.name}: backbone drafter {cfg.backbone} not found "
+                          f"(train it first, or pass --backbone)")
+    return path
+
+
+def backbone_digest(cfg: lad_config.LadConfig) -> str | None:
+    """A digest of the backbone drafter's network and vocabulary (its calibration, which
+    training does not use, left out)."""
+    path = backbone_file(cfg)
+    if path is None:
+        return None
+    from safetensors import safe_open  # noqa: PLC0415
+
+    from lookahead_jax.looped.drafter import CAL_TEMPS_TENSOR, CAL_TENSOR  # noqa: PLC0415
+    h = hashlib.sha256()
+    with safe_open(str(path), "numpy") as f:
+        for name in sorted(set(f.keys()) - {CAL_TENSOR, CAL_TEMPS_TENSOR}):
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(f.get_tensor(name)).tobytes())
+    return h.hexdigest()[:16]
 
 
 def run(cfg: lad_config.LadConfig, workdir, *, ckpt: str | None = None, log=print,
@@ -159,15 +179,29 @@ def run(cfg: lad_config.LadConfig, workdir, *, ckpt: str | None = None, log=prin
     check_workdir(workdir, fingerprint)  # before the data are rebuilt for another model
     check_drafter_settings(cfg, workdir)
     data, vocab = build_data(cfg, model, tokenizer, workdir, fingerprint, log)
+    backbone = None
+    if cfg.residual:
+        from lookahead_jax.looped.drafter import load_drafter_file  # noqa: PLC0415
+        backbone = load_drafter_file(backbone_file(cfg), model.config)
     (workdir / "lad_config.json").write_text(json.dumps(
-        {**dataclasses.asdict(cfg), "base": fingerprint}, indent=1) + "\n")
+        {**dataclasses.asdict(cfg), "backbone_sha256": backbone_digest(cfg),
+         "base": fingerprint}, indent=1) + "\n")
     out_embedding = None
     if cfg.head == "model" or cfg.anchor == "model":
         from lookahead_jax.looped.drafter import output_embedding  # noqa: PLC0415
         out_embedding = np.asarray(output_embedding(model), np.float32)
     summary = train(cfg, data, vocab, workdir, base_fingerprint=fingerprint, log=log,
                     progress_bar=progress_bar, max_steps_now=max_steps_now,
-                    out_embedding=out_embedding, export_dtype=export_dtype)
+                    out_embedding=out_embedding, export_dtype=export_dtype,
+                    backbone=backbone)
+    drafter_file = workdir / DRAFTER_FILE
+    if drafter_file.exists() and len(data["dev"]["tokens"]):  # calibrated for sampling
+        from lookahead_jax.looped.drafter import LadDrafter, add_calibration  # noqa: PLC0415
+        from train_lad.calibrate import calibrate_drafter  # noqa: PLC0415
+        cal, summary["calibration"] = calibrate_drafter(
+            cfg, model, LadDrafter.load(drafter_file, model.config), data["dev"])
+        add_calibration(drafter_file, cal)
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     log(json.dumps(summary))
     return summary
 
@@ -184,6 +218,10 @@ def main(argv) -> int:
             cfg = dataclasses.replace(cfg, arch=FLAGS.arch)
         if FLAGS.anchor is not None:
             cfg = dataclasses.replace(cfg, anchor=FLAGS.anchor)
+        if FLAGS.backbone is not None:
+            if not cfg.residual:
+                raise ConfigError(f"--backbone: lad config {cfg.name} has no residual head")
+            cfg = dataclasses.replace(cfg, backbone=FLAGS.backbone)
         workdir = FLAGS.workdir or os.path.join(default_cache_dir(), "train_lad", cfg.name)
         run(cfg, workdir, ckpt=FLAGS.ckpt, log=lambda m: print(m, file=sys.stderr),
             export_dtype=FLAGS.export_dtype)

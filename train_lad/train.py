@@ -9,6 +9,13 @@ Checkpoint selection: every `eval_every` steps the development split's average a
 prefix length (anchor included: 0 when the anchor is wrong, else 1 + the drafted tokens that
 match the teacher before the first miss) is measured; the best is kept in `<workdir>/best`,
 the latest in `<workdir>/latest` (Orbax), so a stopped run resumes from its last checkpoint.
+
+A residual head (`LadConfig.residual`, Raven's R4-adapted head): the network is the backbone
+drafter (`LadConfig.backbone`, trained on an earlier loop's states) plus the head; only the
+head's parameters are trained (the optimizer and the checkpoints hold them alone), on the
+states of `draft_depth`, and the backbone's draft vocabulary is kept. The development split's
+accepted prefix before the first step (the backbone alone on these states) is recorded as
+`backbone_dev_accepted_prefix`.
 When training is complete (at the end of the run, or when a finished run is resumed) the best
 checkpoint is written as `<workdir>/drafter.safetensors` (`save_drafter_file`), the file
 decoding loads. A metrics log (`metrics.jsonl`) and a progress bar report training.
@@ -41,7 +48,25 @@ def drafter_shape(cfg: LadConfig, draft_vocab: int) -> DrafterShape:
     return DrafterShape(state_size=cfg.model_hidden, vocab_size=cfg.model_vocab,
                         hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                         num_heads=cfg.num_heads, K=cfg.K, draft_vocab=draft_vocab,
-                        head=cfg.head, arch=cfg.arch, anchor=cfg.anchor)
+                        head=cfg.head, arch=cfg.arch, anchor=cfg.anchor, residual=cfg.residual)
+
+
+def is_residual_head(path, _value) -> bool:
+    """nnx filter: the residual head's parameters (what a residual-head run trains)."""
+    return str(path[0]).startswith("residual_")
+
+
+def check_backbone(cfg: LadConfig, backbone) -> None:
+    """Refuses a backbone (a loaded `LadDrafter`) whose network is not cfg's drafter without
+    its residual head, or that has a residual head itself."""
+    net = nnx.merge(backbone.graphdef, backbone.params["net"]).shape
+    if net.residual:
+        raise ConfigError(f"lad config {cfg.name}: the backbone has a residual head itself")
+    want = dataclasses.replace(drafter_shape(cfg, net.draft_vocab), residual=0)
+    for f in dataclasses.fields(DrafterShape):
+        if getattr(net, f.name) != getattr(want, f.name):
+            raise ConfigError(f"lad config {cfg.name}: the backbone's {f.name} is "
+                              f"{getattr(net, f.name)!r}, the config's {getattr(want, f.name)!r}")
 
 
 def targets(tokens: jax.Array, native: jax.Array, table: jax.Array, prompt_len: int, K: int
@@ -81,9 +106,11 @@ def accepted_prefix(logits, tgt, valid, anchor_ok, counted_len):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "tx", "prompt_len", "K"))
-def train_step(params, opt_state, batch, table, out_emb, emb, *, graphdef, tx, prompt_len, K):
+def train_step(params, frozen, opt_state, batch, table, out_emb, emb, *, graphdef, tx,
+               prompt_len, K):
+    """One update of the trained parameters `params` (frozen: the rest, not updated)."""
     def loss_fn(p):
-        logits = forward(nnx.merge(graphdef, p), batch, out_emb, emb)
+        logits = forward(nnx.merge(graphdef, p, frozen), batch, out_emb, emb)
         tgt, valid, _ = targets(batch["tokens"], batch["native"], table, prompt_len, K)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, tgt)
         return (ce * valid).sum() / jnp.maximum(valid.sum(), 1)
@@ -94,8 +121,8 @@ def train_step(params, opt_state, batch, table, out_emb, emb, *, graphdef, tx, p
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len", "K"))
-def eval_step(params, batch, table, out_emb, emb, *, graphdef, prompt_len, K):
-    logits = forward(nnx.merge(graphdef, params), batch, out_emb, emb)
+def eval_step(params, frozen, batch, table, out_emb, emb, *, graphdef, prompt_len, K):
+    logits = forward(nnx.merge(graphdef, params, frozen), batch, out_emb, emb)
     tgt, valid, anchor_ok = targets(batch["tokens"], batch["native"], table, prompt_len, K)
     b, t = batch["tokens"].shape
     pos = jnp.arange(t)
@@ -104,12 +131,16 @@ def eval_step(params, batch, table, out_emb, emb, *, graphdef, prompt_len, K):
 
 
 def evaluate(params, graphdef, data: dict, table, cfg: LadConfig, batch_size: int = 32,
-             out_emb: jax.Array | None = None, emb: jax.Array | None = None) -> float:
-    """Average accepted prefix length (anchor included) over a split."""
+             out_emb: jax.Array | None = None, emb: jax.Array | None = None,
+             frozen=None) -> float:
+    """Average accepted prefix length (anchor included) over a split (frozen: the parameters
+    not trained, when `params` are only some of them)."""
+    if frozen is None:
+        frozen = nnx.State({})
     total = count = 0.0
     for i in range(0, len(data["tokens"]), batch_size):
         batch = {k: jnp.asarray(v[i:i + batch_size]) for k, v in data.items()}
-        s, n = eval_step(params, batch, table, out_emb, emb, graphdef=graphdef,
+        s, n = eval_step(params, frozen, batch, table, out_emb, emb, graphdef=graphdef,
                          prompt_len=cfg.prompt_len, K=cfg.K)
         total += float(s)
         count += float(n)
@@ -187,7 +218,7 @@ def check_workdir(workdir, base_fingerprint: dict) -> None:
 def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdir, *,
           base_fingerprint: dict, log=print, progress_bar: bool = True,
           max_steps_now: int | None = None, out_embedding: np.ndarray | None = None,
-          export_dtype: str | None = None) -> dict:
+          export_dtype: str | None = None, backbone=None) -> dict:
     """Trains (or resumes) a drafter on `data` (split -> tokens/states/native arrays).
 
     base_fingerprint: what identifies the frozen model (its config and a weights digest);
@@ -198,7 +229,15 @@ def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdi
     Once all cfg.steps are done, writes the best checkpoint's drafter to
     `<workdir>/drafter.safetensors` (its parameters in export_dtype, e.g. "float16", when
     given: the confirmation split is then scored with the parameters rounded to it, as
-    decoding will load them). Returns a summary dict."""
+    decoding will load them). backbone: a loaded `LadDrafter` whose network is frozen
+    under a residual head (cfg.residual > 0; its draft vocabulary replaces draft_vocab).
+    Returns a summary dict."""
+    if bool(cfg.residual) != (backbone is not None):
+        raise ConfigError(f"lad config {cfg.name}: a residual head is trained over a backbone "
+                          f"drafter, and only then is one given")
+    if backbone is not None:
+        check_backbone(cfg, backbone)
+        draft_vocab = np.asarray(backbone.params["vocab"])
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     table = jnp.asarray(_table(draft_vocab, cfg.model_vocab))
@@ -212,7 +251,11 @@ def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdi
         out_emb = emb[:, draft_vocab] if cfg.head == "model" else None
         emb = emb if cfg.anchor == "model" else None
     model = LookaheadDrafter(shape, rngs=nnx.Rngs(cfg.seed))
-    graphdef, params = nnx.split(model)
+    if backbone is not None:  # its network, frozen; the residual head alone is trained
+        nnx.update(model, backbone.params["net"])
+        graphdef, params, frozen = nnx.split(model, is_residual_head, ...)
+    else:
+        graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
     tx = make_tx(cfg)
     opt_state = tx.init(params)
     check_workdir(workdir, base_fingerprint)
@@ -234,6 +277,10 @@ def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdi
         bar = tqdm(total=cfg.steps, initial=prog.step, desc=f"lad {cfg.name}", unit="step")
     t0 = time.perf_counter()
     start = prog.step
+    backbone_dev = None
+    if backbone is not None:  # the ablation: the frozen backbone alone on these states
+        backbone_dev = evaluate(jax.tree.map(jnp.zeros_like, params), graphdef, data["dev"],
+                                table, cfg, out_emb=out_emb, emb=emb, frozen=frozen)
 
     def save_latest():
         ckpt.save_latest(params, opt_state, {"step": prog.step, "base": base_fingerprint,
@@ -248,15 +295,15 @@ def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdi
             rng = np.random.default_rng([cfg.seed, prog.step])
             idx = rng.choice(n, size=min(cfg.batch_size, n), replace=False)
             batch = {k: jnp.asarray(v[idx]) for k, v in train_d.items()}
-            params, opt_state, loss = train_step(params, opt_state, batch, table, out_emb, emb,
-                                                 graphdef=graphdef, tx=tx,
+            params, opt_state, loss = train_step(params, frozen, opt_state, batch, table,
+                                                 out_emb, emb, graphdef=graphdef, tx=tx,
                                                  prompt_len=cfg.prompt_len, K=cfg.K)
             prog.step += 1
             record: dict[str, Any] = {"step": prog.step, "loss": float(loss),
                                       "elapsed_s": time.perf_counter() - t0}
             if prog.step % cfg.eval_every == 0 or prog.step == cfg.steps:
                 dev = evaluate(params, graphdef, data["dev"], table, cfg, out_emb=out_emb,
-                               emb=emb)
+                               emb=emb, frozen=frozen)
                 record["dev_accepted_prefix"] = dev
                 meta = {"step": prog.step, "base": base_fingerprint}
                 if dev > prog.best_dev:
@@ -280,18 +327,24 @@ def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdi
     ckpt.close()
     best_params = best[0]["params"] if best else params
     if export_dtype is not None:
-        best_params = jax.tree.map(lambda x: x.astype(export_dtype).astype(x.dtype), best_params)
+        best_params, frozen = jax.tree.map(lambda x: x.astype(export_dtype).astype(x.dtype),
+                                           (best_params, frozen))
     summary = {"step": prog.step, "best_step": prog.best_step, "dev_accepted_prefix": prog.best_dev}
+    if backbone is not None:
+        summary["backbone_depth"] = backbone.draft_depth
+        summary["backbone_dev_accepted_prefix"] = backbone_dev
     if prog.step >= cfg.steps:
         drafter = workdir / DRAFTER_FILE
-        save_drafter_file(drafter, nnx.merge(graphdef, best_params), draft_vocab,
+        save_drafter_file(drafter, nnx.merge(graphdef, best_params, frozen), draft_vocab,
                           draft_depth=cfg.draft_depth, model_family=cfg.model_family,
-                          model_loops=cfg.model_loops, dtype=export_dtype)
+                          model_loops=cfg.model_loops, dtype=export_dtype,
+                          backbone_depth=None if backbone is None else backbone.draft_depth)
         summary["export_dtype"] = export_dtype or "float32"
         log(f"drafter (step {prog.best_step}): {drafter}")
     if "confirm" in data and len(data["confirm"]["tokens"]):
         summary["confirm_accepted_prefix"] = evaluate(best_params, graphdef, data["confirm"],
-                                                      table, cfg, out_emb=out_emb, emb=emb)
+                                                      table, cfg, out_emb=out_emb, emb=emb,
+                                                      frozen=frozen)
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 

@@ -2,6 +2,8 @@
 one shared block run R times, the block trained to reproduce the replaced layers.
 
     python -m train_looped.distill --out=checkpoints/smol_loop
+        [--prelude_layers=12 --replaced_layers=8 --core_layers=2 --num_loops=4 --out_scale=0.25
+         --loop_weights=1,1,1,2 --peak_lr=5e-4] [--minutes=60] [--workdir=...]
 
 The student (`models.recursive`, family "recursive"): SmolLM2's embedding and its first
 `prelude_layers` layers (the prelude, frozen), a block of `core_layers` pre-norm Llama layers run
@@ -426,18 +428,42 @@ def define_flags() -> None:
     flags.DEFINE_integer("steps", None, "Optimizer steps (default: from --minutes).")
     flags.DEFINE_float("minutes", None, "Wall-clock training budget (default 60).")
     flags.DEFINE_integer("batch_size", None, "Windows per step (default 8).")
+    flags.DEFINE_integer("prelude_layers", None, "Teacher layers kept before the loop "
+                         "(default 12).")
+    flags.DEFINE_integer("replaced_layers", None, "Teacher layers the loop replaces (default 8).")
+    flags.DEFINE_integer("core_layers", None, "Layers in the looped block (default 2).")
+    flags.DEFINE_integer("num_loops", None, "Loops R (default 4).")
+    flags.DEFINE_float("out_scale", None, "Initial scale of the copied output projections "
+                       "(default 0.25).")
+    flags.DEFINE_list("loop_weights", None, "Per-loop loss weights (default 1,1,1,2).")
+    flags.DEFINE_float("peak_lr", None, "Peak learning rate (default 5e-4).")
     flags.DEFINE_integer("max_steps_this_run", None, "Stop after this many steps (resumable).")
     flags.DEFINE_bool("progress", True, "Show a progress bar.")
+
+
+FLAG_FIELDS = ("steps", "minutes", "batch_size", "prelude_layers", "replaced_layers",
+               "core_layers", "num_loops", "out_scale", "loop_weights", "peak_lr")
+
+
+def config_from_flags(values: dict) -> DistillConfig:
+    """The DistillConfig of the command's flags (None: the default); a bad combination exits
+    with the reason."""
+    overrides = {k: v for k, v in values.items() if v is not None}
+    if "loop_weights" in overrides:
+        overrides["loop_weights"] = tuple(float(w) for w in overrides["loop_weights"])
+    try:
+        return DistillConfig(**overrides)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"distill: {e}") from None
 
 
 def main(argv) -> int:
     del argv
     logging.set_verbosity(logging.WARNING)
     from lookahead_jax.store.model_store import default_cache_dir  # noqa: PLC0415
-    overrides = {k: getattr(FLAGS, k) for k in ("steps", "minutes", "batch_size")
-                 if getattr(FLAGS, k) is not None}
-    cfg = DistillConfig(**overrides)
-    workdir = pathlib.Path(FLAGS.workdir or default_cache_dir() / "distill" / "smol_loop")
+    cfg = config_from_flags({k: getattr(FLAGS, k) for k in FLAG_FIELDS})
+    out_name = pathlib.Path(FLAGS.out).name
+    workdir = pathlib.Path(FLAGS.workdir or default_cache_dir() / "distill" / out_name)
     workdir.mkdir(parents=True, exist_ok=True)
     run_file = workdir / "run.json"
     if run_file.exists():

@@ -37,14 +37,31 @@ Two output heads (`DrafterShape.head`):
   vocabulary can take in the prompt's tokens, EOS and the committed outputs; training scores
   the draft vocabulary's columns only.
 
+A residual head (`DrafterShape.residual`, Raven's "R4-adapted residual head"): a drafter trained
+on the states of one loop (the backbone) drafts from a deeper loop's states, whose tokens are
+better guesses, by adding a small bottleneck MLP to its final (normalised) features before the
+output head, `y + up(silu(down(y)))`, `up` starting at zero (so the head starts as the
+backbone). `train_lad` trains the head alone on the deeper loop's states, the backbone frozen
+(`--backbone`); the file then records both depths (`draft_depth`, the deeper one the drafter
+now drafts at, and `backbone_depth`).
+
+Calibration (sampling; `Calibration`): how often a drafted token is accepted when decoding
+samples at temperature T, by its position k in the chain and the drafter's confidence in it
+(the softmax probability of its argmax), measured on held-out data (`train_lad.calibrate`).
+LoopAhead reads it to choose, at sampling time, whether to call the drafter and how many of
+its tokens to keep (`LoopAhead.retain`).
+
 The drafter file (`save_drafter_file` / `load_drafter_file`): one safetensors file that training
 (`train_lad`) writes and decoding loads, with no optimizer or checkpointing library. Tensors: the
 network's parameters by dotted path (`state_proj.kernel`, `layers.0.mlp.up_proj.kernel`, ...)
 and `draft_vocab` (int32 ids in the looped model's vocabulary). Metadata (strings): `format`
 (`lookahead_jax.drafter/1`), the network's shape (`state_size`, `vocab_size`, `hidden_size`,
-`num_layers`, `num_heads`, `K`, `head`, `arch`, `anchor`; a file without `arch` holds a
-"heads" drafter, one without `anchor` a "table" one) and the looped model it drafts for
-(`model_family`, `model_loops`, and `draft_depth`: the loop whose states feed it).
+`num_layers`, `num_heads`, `K`, `head`, `arch`, `anchor`, `residual`; a file without `arch`
+holds a "heads" drafter, one without `anchor` a "table" one, one without `residual` no residual
+head) and the looped model it drafts for (`model_family`, `model_loops`, and `draft_depth`: the
+loop whose states feed it; with a residual head also `backbone_depth`, the loop the rest of the
+network was trained on). Optional tensors `calibration` [T, K, bins] and
+`calibration_temperatures` [T] hold the drafter's `Calibration`.
 """
 
 from __future__ import annotations
@@ -81,6 +98,7 @@ class DrafterShape:
     head: str = "vocab"  # "vocab" | "model" (see the module docstring)
     arch: str = "heads"  # "heads" | "queries" (see the module docstring)
     anchor: str = "table"  # "table" | "model" (see the module docstring)
+    residual: int = 0  # the residual head's bottleneck width (0: none; the module docstring)
 
     def __post_init__(self):
         if self.head not in HEADS:
@@ -90,6 +108,9 @@ class DrafterShape:
         if self.anchor not in ANCHORS:
             raise ConfigError(f"drafter anchor must be one of {', '.join(ANCHORS)}, got "
                               f"{self.anchor!r}")
+        if self.residual < 0:
+            raise ConfigError(f"drafter residual must be >= 0 (0: no residual head), got "
+                              f"{self.residual}")
 
     @property
     def needs_embedding(self) -> bool:
@@ -131,6 +152,20 @@ class LookaheadDrafter(nnx.Module):
                 nnx.initializers.normal(0.02)(rngs.params(), (shape.K, shape.hidden_size), dtype))
             self.query_head = nnx.Linear(shape.hidden_size, width, dtype=dtype,
                                          param_dtype=dtype, rngs=rngs)
+        if shape.residual:  # the residual head; `up` starts at zero (the backbone's output)
+            self.residual_down = nnx.Linear(shape.hidden_size, shape.residual, dtype=dtype,
+                                            param_dtype=dtype, rngs=rngs)
+            self.residual_up = nnx.Linear(shape.residual, shape.hidden_size, dtype=dtype,
+                                          param_dtype=dtype, rngs=rngs,
+                                          kernel_init=nnx.initializers.zeros)
+
+    def final(self, x: jax.Array) -> jax.Array:
+        """The last layer's output [..., H] -> the output head's input: normalised, plus the
+        residual head's correction when there is one."""
+        y = self.norm(x)
+        if self.shape.residual:
+            y = y + self.residual_up(jax.nn.silu(self.residual_down(y)))
+        return y
 
     def embed_anchors(self, anchors: jax.Array, embedding: jax.Array | None) -> jax.Array:
         """anchors [B,T] -> [B,T,H]: the anchor table's rows, or (anchor "model") the anchors'
@@ -169,7 +204,7 @@ class LookaheadDrafter(nnx.Module):
             x, _ = last(x[:, -1:], cos[:, -1:], sin[:, -1:], mask[:, -1:], k, v,
                         dot_product_attention)
         b, t, _ = x.shape
-        return self.heads(self.norm(x)).astype(jnp.float32).reshape(b, t, self.shape.K, -1)
+        return self.heads(self.final(x)).astype(jnp.float32).reshape(b, t, self.shape.K, -1)
 
     def _query_features(self, x: jax.Array, positions: jax.Array, mask: jax.Array,
                         last_only: bool) -> jax.Array:
@@ -202,7 +237,7 @@ class LookaheadDrafter(nnx.Module):
         k, v = last.self_attn.key_value(last.input_layernorm(seq[:, :t]), cos[:, :t], sin[:, :t])
         k, v = (a.transpose(0, 2, 1, 3) for a in (k, v))  # the context's K/V as the cache
         out, _ = last(seq[:, t:], cos[:, t:], sin[:, t:], q_rows, k, v, dot_product_attention)
-        f = self.query_head(self.norm(out)).astype(jnp.float32)
+        f = self.query_head(self.final(out)).astype(jnp.float32)
         return f.reshape(b, at.shape[0], K, -1)
 
     def __call__(self, states: jax.Array, anchors: jax.Array, positions: jax.Array,
@@ -237,36 +272,84 @@ def output_embedding(model) -> jax.Array:
     return w / jnp.maximum(jnp.linalg.norm(w, axis=0).mean(), 1e-12)
 
 
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """A drafter's calibrated match probabilities when sampling: table[t, k, b] is the mean
+    probability that the full-depth target at temperature temperatures[t] gives the k-th
+    drafted token of a chain (so the chance that speculative sampling accepts it, its earlier
+    tokens accepted), over held-out drafts whose confidence (the drafter's softmax probability
+    of its argmax) fell in bin b of `bins` equal bins of [0, 1]. `train_lad.calibrate` measures
+    it."""
+
+    temperatures: np.ndarray  # [T] float32, increasing
+    table: np.ndarray  # [T, K, bins] float32 in [0, 1]
+
+    def __post_init__(self):
+        t, tab = np.asarray(self.temperatures), np.asarray(self.table)
+        if (t.ndim != 1 or tab.ndim != 3 or tab.shape[0] != len(t) or len(t) == 0
+                or not (t > 0).all() or not ((tab >= 0) & (tab <= 1)).all()):
+            raise ConfigError(f"calibration: temperatures [T] > 0 and a table [T, K, bins] in "
+                              f"[0, 1], got {t.shape} and {tab.shape}")
+
+    def arrays(self) -> dict:
+        return {"temperatures": jnp.asarray(self.temperatures, jnp.float32),
+                "table": jnp.asarray(self.table, jnp.float32)}
+
+
+def match_probability(cal: dict, temperature, confidence: jax.Array) -> jax.Array:
+    """Calibrated match probabilities [..., K] of drafted tokens with confidences [..., K]
+    (`LadDrafter.draft(with_confidence=True)`), read from `Calibration.arrays()` at the
+    calibrated temperature nearest to `temperature` (a float or a traced scalar)."""
+    temps, table = cal["temperatures"], cal["table"]
+    t = jnp.argmin(jnp.abs(temps - jnp.asarray(temperature, jnp.float32)))
+    bins = table.shape[-1]
+    b = jnp.clip(jnp.floor(confidence * bins).astype(jnp.int32), 0, bins - 1)
+    k = jnp.arange(table.shape[1])
+    return table[t][k, b]
+
+
 class LadDrafter:
     """A trained lookahead drafter ready for decoding: its graph, parameters, draft vocabulary
     and `draft_depth` (the loop whose states it drafts from: LoopAhead's r1). Load one with
     `LadDrafter.load` (a drafter file, or a `train_lad` workdir). Hashed by identity (a static
     part of the method; the parameters travel as arrays through `LoopAhead.params()`)."""
 
-    def __init__(self, model: LookaheadDrafter, draft_vocab: np.ndarray, *, draft_depth: int = 1):
+    def __init__(self, model: LookaheadDrafter, draft_vocab: np.ndarray, *, draft_depth: int = 1,
+                 backbone_depth: int | None = None, calibration: Calibration | None = None):
         self.graphdef, params = nnx.split(model)
         self.params = {"net": params, "vocab": jnp.asarray(draft_vocab, jnp.int32)}
+        if calibration is not None:
+            if calibration.table.shape[1] != model.shape.K:
+                raise ConfigError(f"calibration: a table for K = {calibration.table.shape[1]}, "
+                                  f"the drafter drafts {model.shape.K}")
+            self.params["calibration"] = calibration.arrays()
+        self.calibration = calibration
         self.K = model.shape.K
         self.head = model.shape.head
         self.arch = model.shape.arch
         self.anchor = model.shape.anchor
+        self.residual = model.shape.residual
         self.draft_depth = int(draft_depth)
+        # the loop the network but its residual head was trained on (draft_depth without one)
+        self.backbone_depth = int(backbone_depth or draft_depth)
 
     def draft(self, params, states, anchors, positions, mask, *, extra_ids=None,
-              out_embedding=None) -> jax.Array:
+              out_embedding=None, with_confidence: bool = False):
         """states [B,W,E], anchors, positions [B,W], mask [B,W,W] -> the K tokens after the
         anchor of the last window position, [B,K] (full-vocabulary ids): each the argmax over
         the draft vocabulary and, with head "model", over extra_ids [B,X] too (the request's
         own tokens; -1: an empty slot), every token scored against out_embedding [E,V] (the
         looped model's `output_embedding`, which anchor "model" embeds the anchors with too).
         Head "vocab" has a logit for its own vocabulary's tokens only, so it ignores
-        extra_ids."""
+        extra_ids. with_confidence: also each drafted token's confidence [B,K], the softmax
+        probability of the argmax over the same candidates."""
         net = nnx.merge(self.graphdef, params["net"])
         vocab = params["vocab"]
         f = net.features(states, anchors, positions, mask, last_only=True,
                          embedding=out_embedding)[:, -1]  # [B,K,F]
         if self.head == "vocab":
-            return vocab[jnp.argmax(f, axis=-1)]
+            ids = vocab[jnp.argmax(f, axis=-1)]
+            return (ids, jax.nn.softmax(f, axis=-1).max(-1)) if with_confidence else ids
         w = out_embedding.astype(jnp.float32)
         logits = model_head_scores(f, w[:, vocab])  # [B,K,Vd]
         ids = jnp.broadcast_to(vocab[None], (f.shape[0], vocab.shape[0]))
@@ -276,7 +359,10 @@ class LadDrafter:
             logits = jnp.concatenate(
                 [logits, jnp.where(extra_ids[:, None, :] >= 0, extra, -jnp.inf)], axis=-1)
             ids = jnp.concatenate([ids, extra_ids], axis=-1)
-        return jnp.take_along_axis(ids, jnp.argmax(logits, axis=-1), axis=1)
+        drafted = jnp.take_along_axis(ids, jnp.argmax(logits, axis=-1), axis=1)
+        if with_confidence:
+            return drafted, jax.nn.softmax(logits, axis=-1).max(-1)
+        return drafted
 
     @classmethod
     def load(cls, path_or_workdir, model_config=None) -> "LadDrafter":
@@ -312,6 +398,7 @@ DRAFTER_FILE = "drafter.safetensors"  # its name in a train_lad workdir
 _SHAPE_META = ("state_size", "vocab_size", "hidden_size", "num_layers", "num_heads", "K")
 _MODEL_META = ("draft_depth", "model_loops")
 VOCAB_TENSOR = "draft_vocab"
+CAL_TENSOR, CAL_TEMPS_TENSOR = "calibration", "calibration_temperatures"
 
 
 def _tensor_name(path) -> str:
@@ -319,13 +406,22 @@ def _tensor_name(path) -> str:
 
 
 def save_drafter_file(path, net: LookaheadDrafter, draft_vocab, *, draft_depth: int,
-                      model_family: str, model_loops: int, dtype=None) -> None:
+                      model_family: str, model_loops: int, dtype=None,
+                      backbone_depth: int | None = None,
+                      calibration: Calibration | None = None) -> None:
     """Writes the drafter network `net`, its draft vocabulary (ids in the looped model's
     vocabulary, one per draft-vocabulary column) and the looped model it drafts for (family,
     loop count, and draft_depth: the loop whose states feed it) to the safetensors file `path`
     (replaced atomically). Format: the module docstring. dtype (e.g. "float16"): the
-    parameters are stored in it (half the file; loading casts them to the network's dtype)."""
+    parameters are stored in it (half the file; loading casts them to the network's dtype).
+    backbone_depth: with a residual head, the loop its backbone was trained on. calibration:
+    the drafter's `Calibration`, stored (float32) when given."""
     shape = net.shape
+    if shape.residual and backbone_depth is None:
+        raise ValueError("a drafter with a residual head needs its backbone_depth")
+    if not shape.residual and backbone_depth not in (None, draft_depth):
+        raise ValueError("backbone_depth differs from draft_depth: only a drafter with a "
+                         "residual head drafts at another depth than its backbone's")
     vocab = np.asarray(draft_vocab)
     if vocab.ndim != 1 or len(vocab) != shape.draft_vocab:
         raise ValueError(f"draft_vocab: {vocab.shape} ids for a drafter of {shape.draft_vocab} "
@@ -335,11 +431,40 @@ def save_drafter_file(path, net: LookaheadDrafter, draft_vocab, *, draft_depth: 
     tensors = {_tensor_name(p): np.asarray(v.get_value(), dtype)
                for p, v in nnx.to_flat_state(nnx.state(net, nnx.Param))}
     tensors[VOCAB_TENSOR] = vocab.astype(np.int32)
+    if calibration is not None:
+        if calibration.table.shape[1] != shape.K:
+            raise ValueError(f"calibration: a table for K = {calibration.table.shape[1]}, the "
+                             f"drafter drafts {shape.K}")
+        tensors[CAL_TENSOR] = np.asarray(calibration.table, np.float32)
+        tensors[CAL_TEMPS_TENSOR] = np.asarray(calibration.temperatures, np.float32)
     meta = {"format": DRAFTER_FORMAT, **{k: str(getattr(shape, k)) for k in _SHAPE_META},
             "head": shape.head, "arch": shape.arch, "anchor": shape.anchor,
-            "draft_depth": str(int(draft_depth)),
+            "residual": str(int(shape.residual)), "draft_depth": str(int(draft_depth)),
             "model_family": str(model_family), "model_loops": str(int(model_loops))}
+    if shape.residual:
+        if not 1 <= backbone_depth < model_loops:
+            raise ValueError(f"backbone_depth must be in [1, {model_loops}), got "
+                             f"{backbone_depth}")
+        meta["backbone_depth"] = str(int(backbone_depth))
     path = os.fspath(path)
+    tmp = f"{path}.tmp"
+    save_file(tensors, tmp, metadata=meta)
+    os.replace(tmp, path)
+
+
+def add_calibration(path, calibration: Calibration) -> None:
+    """Stores `calibration` in the drafter file `path` (replacing any it held), every other
+    tensor and metadata field as they were (replaced atomically)."""
+    path = os.fspath(path)
+    with safe_open(path, "numpy") as f:
+        meta = dict(f.metadata() or {})
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    k = int(meta.get("K", -1))
+    if calibration.table.shape[1] != k:
+        raise ValueError(f"calibration: a table for K = {calibration.table.shape[1]}, the "
+                         f"drafter in {path} drafts {k}")
+    tensors[CAL_TENSOR] = np.asarray(calibration.table, np.float32)
+    tensors[CAL_TEMPS_TENSOR] = np.asarray(calibration.temperatures, np.float32)
     tmp = f"{path}.tmp"
     save_file(tensors, tmp, metadata=meta)
     os.replace(tmp, path)
@@ -382,11 +507,30 @@ def load_drafter_file(path, model_config=None) -> LadDrafter:
     if anchor not in ANCHORS:
         raise ConfigError(f"drafter file {path}: metadata anchor is {anchor!r}, expected "
                           f"'table' or 'model'")
+    extra_ints = {}
+    for k in ("residual", "backbone_depth"):  # absent in files without a residual head
+        if k in meta:
+            try:
+                extra_ints[k] = int(meta[k])
+            except ValueError:
+                raise ConfigError(f"drafter file {path}: metadata {k} is {meta[k]!r}, expected "
+                                  f"an integer") from None
+    residual = extra_ints.get("residual", 0)
+    if residual < 0 or (residual and "backbone_depth" not in extra_ints):
+        raise ConfigError(f"drafter file {path}: metadata residual is {residual}; a residual "
+                          f"head (residual > 0) needs backbone_depth too")
     if not meta.get("model_family"):
         raise ConfigError(f"drafter file {path}: no metadata model_family")
     if not 1 <= ints["draft_depth"] < ints["model_loops"]:
         raise ConfigError(f"drafter file {path}: metadata draft_depth {ints['draft_depth']} is "
                           f"not in [1, model_loops = {ints['model_loops']})")
+    calibration = None
+    if CAL_TENSOR in tensors or CAL_TEMPS_TENSOR in tensors:
+        table, temps = tensors.pop(CAL_TENSOR, None), tensors.pop(CAL_TEMPS_TENSOR, None)
+        if table is None or temps is None or table.ndim != 3 or table.shape[1] != ints["K"]:
+            raise ConfigError(f"drafter file {path}: {CAL_TENSOR} [T, K = {ints['K']}, bins] "
+                              f"and {CAL_TEMPS_TENSOR} [T] go together")
+        calibration = Calibration(temps.astype(np.float32), table.astype(np.float32))
     vocab = tensors.pop(VOCAB_TENSOR, None)
     if vocab is None or vocab.ndim != 1 or not np.issubdtype(vocab.dtype, np.integer):
         raise ConfigError(f"drafter file {path}: no 1-D integer tensor {VOCAB_TENSOR}")
@@ -397,7 +541,7 @@ def load_drafter_file(path, model_config=None) -> LadDrafter:
         check_drafter_fits(path, meta["model_family"], ints["state_size"], ints["vocab_size"],
                            ints["draft_depth"], model_config)
     shape = DrafterShape(**{k: ints[k] for k in _SHAPE_META}, draft_vocab=len(vocab),
-                         head=meta["head"], arch=arch, anchor=anchor)
+                         head=meta["head"], arch=arch, anchor=anchor, residual=residual)
     abstract = nnx.eval_shape(lambda: LookaheadDrafter(shape, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     want = {_tensor_name(p): (p, v) for p, v in nnx.to_flat_state(state)}
@@ -415,7 +559,8 @@ def load_drafter_file(path, model_config=None) -> LadDrafter:
                               f"its drafter's shape needs {tuple(spec.shape)}")
         flat.append((p, v.replace(jnp.asarray(got, spec.dtype))))
     net = nnx.merge(graphdef, nnx.from_flat_state(flat))
-    return LadDrafter(net, vocab.astype(np.int32), draft_depth=ints["draft_depth"])
+    return LadDrafter(net, vocab.astype(np.int32), draft_depth=ints["draft_depth"],
+                      backbone_depth=extra_ints.get("backbone_depth"), calibration=calibration)
 
 
 def check_drafter_fits(source: str, family: str, state_size: int, vocab_size: int,

@@ -30,7 +30,13 @@ Each step is one batched call of the shared block over the scheduled nodes of th
    that one resumes (eligible again), the others pause (a readout agreeing with none
    changes nothing: no proposal is added after r2). An accepted child resumes (it becomes
    the root).
-4. Budget: at most `max_active` nodes advance per step (0: all eligible), by priority
+4. Retention (sampling, `retain="calibrated"`): the drafter is called for a node only when
+   the best first token its `Calibration` knows could pay for its node (the anchor's chance
+   under the r1 readout times that token's best calibrated match probability exceeds
+   `node_cost`), and of the K drafted tokens the chain keeps the first L, L maximising the
+   expected accepted tokens minus `node_cost` per kept node (`retained_length`; the shorter
+   on ties). Greedy keeps all K (as the tree's free slots allow), as by default.
+5. Budget: at most `max_active` nodes advance per step (0: all eligible), by priority
    (`priority_rank`): nearest position first, then the deeper node; a node never runs deeper
    than its ancestors (suspension covers whole subtrees).
 
@@ -71,7 +77,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from lookahead_jax.generation import Output
-from lookahead_jax.looped.drafter import output_embedding
+from lookahead_jax.looped.drafter import match_probability, output_embedding
 from lookahead_jax.looped.tree_method import (LoopStats, TreeMethod, discard_counts,
                                               loop_summary)
 from lookahead_jax.looped.spec_sampling import DraftVerifier, draft_chances, verify_drafts
@@ -110,6 +116,22 @@ def priority_rank(tree: LoopTree, among: jax.Array) -> jax.Array:
     return (among[:, None, :] & ahead).sum(-1)
 
 
+def retained_length(anchor_chance: jax.Array, match: jax.Array, node_cost: float) -> jax.Array:
+    """How many of a chain's K drafted tokens to keep: anchor_chance [B] (the chance that the
+    anchor they follow is accepted), match [B, K] (each drafted token's calibrated chance of
+    being accepted after the earlier ones), node_cost (the expected tokens a kept node must
+    earn: its execution cost). Token j is accepted with probability
+    anchor_chance * prod_{i <= j} match_i; returns the L in 0..K [B] maximising the sum of
+    those over j <= L minus node_cost * L, the smallest such L on ties."""
+    survive = anchor_chance[:, None] * jnp.cumprod(match, axis=-1)
+    gain = jnp.cumsum(survive - node_cost, axis=-1)
+    gain = jnp.concatenate([jnp.zeros_like(gain[:, :1]), gain], axis=-1)
+    return jnp.argmax(gain, axis=-1).astype(jnp.int32)  # the first maximum: the shortest
+
+
+RETAIN = ("all", "calibrated")
+
+
 # the proposals that make children, in the order they are made for a node and verified:
 # the drafter's (chained below an anchor when it is made), the anchor (at the node's r1), the
 # feedback proposal (at its r2)
@@ -143,7 +165,10 @@ class LoopAhead(TreeMethod):
     in priority order (0: all eligible); lad_calls: drafter calls per row and step (each from
     an eligible node at r1); suspend_below (sampling): a child the feedback readout gives
     at least this chance of acceptance keeps running beside the likeliest (1: only the
-    likeliest runs, the greedy rule's counterpart); window: the drafter's context positions;
+    likeliest runs, the greedy rule's counterpart); retain (sampling): "all" (a chain keeps
+    the drafter's K tokens) or "calibrated" (calls and chain lengths chosen from the
+    drafter's `Calibration` and node_cost, the execution cost of a node in expected tokens;
+    module docstring, step 4); window: the drafter's context positions;
     capacity: tree nodes (0: automatic); verifier: the acceptance rule when sampling (tests
     plant wrong ones). `lookahead_jax.registry` builds it with r1 taken from the drafter."""
 
@@ -154,6 +179,8 @@ class LoopAhead(TreeMethod):
     max_active: int = 0
     lad_calls: int = 1
     suspend_below: float = 1.0
+    retain: str = "all"
+    node_cost: float = 0.1
     window: int = 32
     capacity: int = 0
     verifier: DraftVerifier = verify_drafts
@@ -171,6 +198,19 @@ class LoopAhead(TreeMethod):
         if self.max_active < 0 or self.lad_calls < 1:
             raise ConfigError(f"loopahead: need max_active >= 0 (0: no budget) and lad_calls "
                               f">= 1, got {self.max_active}, {self.lad_calls}")
+        if self.retain not in RETAIN:
+            raise ConfigError(f"loopahead: retain must be one of {', '.join(RETAIN)}, got "
+                              f"{self.retain!r}")
+        if not self.node_cost >= 0:
+            raise ConfigError(f"loopahead: node_cost must be >= 0, got {self.node_cost}")
+        if self.retain == "calibrated":
+            if self.sampling.greedy:
+                raise ConfigError("loopahead: retain='calibrated' chooses chain lengths when "
+                                  "sampling; greedy decoding keeps every drafted token (set a "
+                                  "temperature, or drop retain)")
+            if getattr(self.drafter, "calibration", None) is None:
+                raise ConfigError("loopahead: retain='calibrated' needs a drafter with a "
+                                  "calibration (python -m train_lad.calibrate adds one)")
         depth = getattr(self.drafter, "draft_depth", None)
         if depth is not None and depth != self.r1:
             raise ConfigError(f"loopahead: the drafter was trained on depth-{depth} states, "
@@ -181,7 +221,14 @@ class LoopAhead(TreeMethod):
         return self.drafter.K if self.drafter is not None else 0
 
     def tree_capacity(self, num_loops: int) -> int:
-        return self.capacity or (self.K + 2) * 2 + num_loops // self.r1 + 2
+        """`capacity`, or automatic: room for two drafted chains (K + 2 nodes each) and one
+        node per r1 loops of depth; twice that when sampling, where nearly every node also
+        gets a feedback proposal (the r2 readout almost always leaves some chance to the
+        tokens its children do not hold), which would otherwise fill the tree and crowd out
+        the drafter's chains (tiny_ouro, T = 0.7: loops per token 0.394 of plain's with 16
+        nodes, 0.286 with 32)."""
+        auto = (self.K + 2) * 2 + num_loops // self.r1 + 2
+        return self.capacity or (auto if self.sampling.greedy else 2 * auto)
 
     def depths(self) -> dict[str, int]:
         return {"r1": self.r1, "r2": self.r2}
@@ -225,8 +272,11 @@ class LoopAhead(TreeMethod):
         st["drafter_accepted"] = st.pop("second_draft_accepted")
         arch = getattr(self.drafter, "arch", None)  # a LadDrafter's: "queries" | "heads"
         return {"r1": self.r1, "r2": self.r2, "K": self.K, "drafter_arch": arch,
+                # a drafter with a residual head: the loop its backbone was trained on
+                "drafter_backbone_depth": getattr(self.drafter, "backbone_depth", None),
                 "scheduling": self.scheduling, "max_active": self.max_active,
-                "lad_calls": self.lad_calls,
+                "lad_calls": self.lad_calls, "suspend_below": self.suspend_below,
+                "retain": self.retain, "node_cost": self.node_cost,
                 "capacity": state.tree.capacity, **st}
 
     # -- one step ---------------------------------------------------------------------------
@@ -378,24 +428,44 @@ class LoopAhead(TreeMethod):
         if self.drafter is None:
             return tree.spawn(want_anchor, anchor, q_anchor, KIND_ANCHOR)[0]
         eligible = at_r1 & ~has_kid & ~held
+        calibrated = self.retain == "calibrated" and not greedy
+        if calibrated:  # a call only where its best first token could pay for its node
+            cal = params["drafter"]["calibration"]
+            grid = jnp.linspace(0.0, 1.0, cal["table"].shape[-1] + 1)[:, None]  # every bin
+            best = match_probability(cal, self.sampling.temperature, grid)[:, 0].max()
+            eligible = eligible & (left * best > self.node_cost)
         rank = priority_rank(tree, eligible)
         calls = [eligible & (rank == j) for j in range(self.lad_calls)]
         nodes = [jnp.argmax(m, axis=1).astype(jnp.int32) for m in calls]  # [B] each
         extra = request_tokens(state.prompt, state.out, eos_ids)
+
+        def draft_all():  # [calls, B, K] tokens, and their confidences when calibrated
+            out = [self._draft(params["drafter"], tree, cache, state.h1, state.native,
+                               state.ctx_h1, state.ctx_native, n, anchor[rows, n], extra,
+                               params["out_embedding"], with_confidence=calibrated)
+                   for n in nodes]
+            return jax.tree.map(lambda *x: jnp.stack(x), *out)
+
         lad = jax.lax.cond(  # the drafter runs only in steps where a row needs it
-            eligible.any(),
-            lambda: jnp.stack([self._draft(params["drafter"], tree, cache, state.h1,
-                                           state.native, state.ctx_h1, state.ctx_native, n,
-                                           anchor[rows, n], extra, params["out_embedding"])
-                               for n in nodes]),
-            lambda: jnp.zeros((len(nodes), b, self.K), jnp.int32))  # [calls, B, K]
+            eligible.any(), draft_all,
+            lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                 jax.eval_shape(draft_all)))
+        if calibrated:  # each chain keeps its first `retained_length` tokens
+            lad, confidence = lad
+            keep = [retained_length(left[rows, n],
+                                    match_probability(cal, self.sampling.temperature, conf),
+                                    self.node_cost)
+                    for n, conf in zip(nodes, confidence)]
+        else:
+            keep = [jnp.full((b,), self.K, jnp.int32)] * len(nodes)
         tree, child = tree.spawn(want_anchor, anchor, q_anchor, KIND_ANCHOR)
         lasts = [jnp.where(m.any(1), child[rows, n], -1) for m, n in zip(calls, nodes)]
         for k in range(self.K):  # each call's chain below its anchor, one token per spawn
             want = jnp.zeros((b, c), bool)
             tok = jnp.zeros((b, c), jnp.int32)
-            for last, drafted in zip(lasts, lad):
-                here = (slots[None] == last[:, None]) & (last >= 0)[:, None]
+            for last, drafted, length in zip(lasts, lad, keep):
+                here = ((slots[None] == last[:, None]) & (last >= 0)[:, None]
+                        & (k < length)[:, None])
                 want = want | here
                 tok = jnp.where(here, drafted[:, k:k + 1], tok)
             # sampling: a drafted token is a deterministic proposal, q = one-hot
@@ -450,11 +520,12 @@ class LoopAhead(TreeMethod):
         return tree, paused
 
     def _draft(self, params, tree: LoopTree, cache: KVCache, h1, native, ctx_h1, ctx_nat,
-               node: jax.Array, anchor: jax.Array, extra_ids: jax.Array, out_embedding
-               ) -> jax.Array:
+               node: jax.Array, anchor: jax.Array, extra_ids: jax.Array, out_embedding,
+               with_confidence: bool = False):
         """The drafter's K tokens for node [B] over the window of positions ending at it,
         after its anchor [B] (the native proposal; sampling: the drawn one); extra_ids [B, X]
-        and out_embedding [E, V] as in `LadDrafter.draft`."""
+        and out_embedding [E, V] as in `LadDrafter.draft` (with_confidence: also each
+        token's confidence [B, K])."""
         b, c = tree.valid.shape
         rows = jnp.arange(b)
         w = self.window
@@ -473,6 +544,7 @@ class LoopAhead(TreeMethod):
         ok = committed | in_tree
         mask = jnp.tril(jnp.ones((w, w), bool))[None] & ok[:, None, :] & ok[:, :, None]
         mask = mask | jnp.eye(w, dtype=bool)[None]
+        kw = {"with_confidence": True} if with_confidence else {}
         return self.drafter.draft(params, states.astype(jnp.float32), anchors,
                                   jnp.maximum(want, 0), mask, extra_ids=extra_ids,
-                                  out_embedding=out_embedding)
+                                  out_embedding=out_embedding, **kw)

@@ -84,7 +84,7 @@ def loop_summary(stats: LoopStats, num_loops: int | None = None) -> dict:
     ver, acc = int(np.sum(stats.verified)), int(np.sum(stats.accepted))
     lost, lost_adv = int(np.sum(stats.discarded)), int(np.sum(stats.discarded_advances))
     lost_full = int(np.sum(stats.discarded_full))
-    d = {"loops": loops, "advances": adv, "verified_tokens": ver,
+    d = {"loops": loops, "advances": adv, "verified_tokens": ver, "accepted": acc,
          "loops_per_token": loops / ver if ver else float("nan"),
          "advances_per_token": adv / ver if ver else float("nan"),
          "draft_acceptance": acc / ver if ver else float("nan"),
