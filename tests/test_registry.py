@@ -145,3 +145,31 @@ def test_cli_loopahead_uses_the_drafters_depth(depth2_drafter, tmp_path):
                                      prompt="What is a list?", max_new_tokens=2),
                       stdin=io.StringIO(""), stdout=io.StringIO(), stderr=err)
     assert code == 2 and "only applies to --method=loopahead" in err.getvalue()
+
+
+def test_cli_calibrated_retention(depth2_drafter, tmp_path):
+    """--retain=calibrated --node_cost reach LoopAhead when sampling with a calibrated drafter
+    (the shipped one); an uncalibrated drafter, and greedy decoding, are refused clearly."""
+    import os  # noqa: PLC0415
+
+    from lookahead_jax import decode  # noqa: PLC0415
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "checkpoints", "tiny_raven_lad")
+    out = tmp_path / "run.json"
+
+    def run(**kw):
+        err = io.StringIO()
+        code = decode.run(decode.Options(config="tiny_raven", method="loopahead",
+                                         prompt="What is a list?", max_new_tokens=6,
+                                         json_out=str(out), **kw),
+                          stdin=io.StringIO(""), stdout=io.StringIO(), stderr=err)
+        return code, err.getvalue()
+
+    code, _ = run(lad=shipped, temperature=0.7, retain="calibrated", node_cost=0.25)
+    assert code == 0
+    extra = json.loads(out.read_text())["results"][0]["stats"]["extra"]
+    assert (extra["retain"], extra["node_cost"]) == ("calibrated", 0.25)
+    code, err = run(lad=depth2_drafter, temperature=0.7, retain="calibrated")
+    assert code == 2 and "needs a drafter with a calibration" in err
+    code, err = run(lad=shipped, retain="calibrated")
+    assert code == 2 and "greedy decoding keeps every drafted token" in err
