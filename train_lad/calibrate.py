@@ -34,8 +34,10 @@ from absl import app, flags
 from flax import nnx
 
 from lookahead_jax.looped.drafter import (Calibration, LadDrafter, add_calibration,
-                                          model_head_scores, output_embedding)
+                                          output_embedding)
 from models.config import ConfigError
+from train_lad.data import depth_readout
+from train_lad.train import forward
 
 PRIOR = 5.0  # pseudo-samples of a k's overall mean in every bin
 TEMPERATURES = (0.5, 0.7, 1.0)
@@ -48,31 +50,22 @@ def full_depth_logits(model, tokens: np.ndarray, batch_size: int = 16) -> np.nda
     """The full-depth readout's logits [N, T, V] float32 of each row of tokens [N, T]."""
     graphdef, params = nnx.split(model)
     r_full = model.config.num_loops
-
-    @jax.jit
-    def one(p, t):
-        m = nnx.merge(graphdef, p)
-        positions = jnp.broadcast_to(jnp.arange(t.shape[1], dtype=jnp.int32), t.shape)
-        _, states = m.loop_states(t, positions, loops=r_full)
-        logits, _ = m.readout(states[-1][0], r_full, positions)
-        return logits.astype(jnp.float32)
-
+    one = jax.jit(lambda p, t: depth_readout(nnx.merge(graphdef, p), t, r_full)[1].astype(
+        jnp.float32))
     return np.concatenate([np.asarray(one(params, jnp.asarray(tokens[i:i + batch_size])))
                            for i in range(0, len(tokens), batch_size)])
 
 
 def drafts_with_confidence(drafter: LadDrafter, data: dict, embedding) -> tuple:
     """Every position's K drafts [N, T, K] (full-vocabulary ids) and their confidences
-    [N, T, K], from the drafter's full causal pass over each row's states and anchors."""
+    [N, T, K], from the drafter's full causal pass over each row's states and anchors (as
+    training scores it, `train_lad.train.forward`)."""
     net = nnx.merge(drafter.graphdef, drafter.params["net"])
     vocab = drafter.params["vocab"]
-    n, t = data["tokens"].shape
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (n, t, t))
     emb = None if embedding is None else jnp.asarray(embedding, jnp.float32)
-    f = net.features(jnp.asarray(data["states"], jnp.float32), jnp.asarray(data["native"]),
-                     pos, mask, embedding=emb)
-    logits = f if drafter.head == "vocab" else model_head_scores(f, emb[:, vocab])
+    batch = {k: jnp.asarray(data[k]) for k in ("tokens", "states", "native")}
+    logits = forward(net, batch, None if drafter.head == "vocab" else emb[:, vocab],
+                     emb if net.shape.anchor == "model" else None)
     return (np.asarray(vocab[jnp.argmax(logits, -1)]),
             np.asarray(jax.nn.softmax(logits, -1).max(-1)))
 
@@ -88,28 +81,31 @@ def calibrate(drafted: np.ndarray, confidence: np.ndarray, tokens: np.ndarray,
     counts = np.zeros((k_max,), np.int64)
     means = np.zeros((len(temperatures), k_max))
     rows, cols = np.meshgrid(np.arange(n), np.arange(t), indexing="ij")
+    # per k, the counted drafts (anchor and earlier drafts equal to the continuation, the
+    # drafted token inside the row), the readout position that scores them, their bins
+    prefix_ok = ((cols >= prompt_len - 1) & (cols <= t - 2)
+                 & (native == np.concatenate([tokens[:, 1:], tokens[:, -1:]], 1)))
+    counted = []
+    for k in range(1, k_max + 1):
+        at = cols + k  # the position whose readout predicts the k-th drafted token
+        ok = prefix_ok & (at + 1 <= t - 1)
+        d = drafted[..., k - 1]
+        b = np.clip(np.floor(confidence[..., k - 1][ok] * bins).astype(int), 0, bins - 1)
+        counted.append((ok, np.minimum(at, t - 1), d, b))
+        counts[k - 1] = int(ok.sum())
+        # the next k needs this draft to equal the continuation's token
+        prefix_ok = prefix_ok & (d == tokens[rows, np.minimum(cols + 1 + k, t - 1)])
     for ti, temp in enumerate(temperatures):
         z = logits / temp
         logp = z - z.max(-1, keepdims=True)
         logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
-        prefix_ok = ((cols >= prompt_len - 1) & (cols <= t - 2)
-                     & (native == np.concatenate([tokens[:, 1:], tokens[:, -1:]], 1)))
-        for k in range(1, k_max + 1):
-            at = cols + k  # the position whose readout predicts the k-th drafted token
-            ok = prefix_ok & (at + 1 <= t - 1)
-            d = drafted[..., k - 1]
-            p = np.exp(logp[rows, np.minimum(at, t - 1), d])
-            c = confidence[..., k - 1][ok]
-            m = p[ok]
-            b = np.clip(np.floor(c * bins).astype(int), 0, bins - 1)
+        for k, (ok, at, d, b) in enumerate(counted):
+            m = np.exp(logp[rows, at, d])[ok]
             mean = float(m.mean()) if len(m) else 0.0
             s = np.bincount(b, weights=m, minlength=bins)
             cnt = np.bincount(b, minlength=bins)
-            table[ti, k - 1] = (s + PRIOR * mean) / (cnt + PRIOR)
-            counts[k - 1], means[ti, k - 1] = len(m), mean
-            # the next k needs this draft to equal the continuation's token
-            nxt = tokens[rows, np.minimum(cols + 1 + k, t - 1)]
-            prefix_ok = prefix_ok & (d == nxt)
+            table[ti, k] = (s + PRIOR * mean) / (cnt + PRIOR)
+            means[ti, k] = mean
     cal = Calibration(np.asarray(temperatures, np.float32), np.clip(table, 0.0, 1.0))
     return cal, {"samples_per_k": counts.tolist(),
                  "mean_match": {f"{tt:g}": means[i].round(4).tolist()

@@ -112,13 +112,19 @@ def random_prompts(vocab: int, prompt_len: int, counts: dict[str, int], seed: in
     return {s: rng.integers(2, vocab, (counts.get(s, 0), prompt_len)).tolist() for s in SPLITS}
 
 
-def early_states(model, tokens: jax.Array, depth: int) -> tuple[jax.Array, jax.Array]:
-    """tokens [B,T] -> states at loop `depth` [B,T,E] and the readout's argmax there [B,T]
+def depth_readout(model, tokens: jax.Array, depth: int) -> tuple[jax.Array, jax.Array]:
+    """tokens [B,T] -> states at loop `depth` [B,T,E] and the readout's logits there [B,T,V]
     (cache-free, causal)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     _, states = model.loop_states(tokens, positions, loops=depth)
     h = states[-1][0]
     logits, _ = model.readout(h, depth, positions)
+    return h, logits
+
+
+def early_states(model, tokens: jax.Array, depth: int) -> tuple[jax.Array, jax.Array]:
+    """tokens [B,T] -> states at loop `depth` [B,T,E] and the readout's argmax there [B,T]."""
+    h, logits = depth_readout(model, tokens, depth)
     return h, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 

@@ -296,16 +296,20 @@ class Calibration:
                 "table": jnp.asarray(self.table, jnp.float32)}
 
 
+def calibrated_table(cal: dict, temperature) -> jax.Array:
+    """The [K, bins] table of `Calibration.arrays()` at the calibrated temperature nearest to
+    `temperature` (a float or a traced scalar)."""
+    t = jnp.argmin(jnp.abs(cal["temperatures"] - jnp.asarray(temperature, jnp.float32)))
+    return cal["table"][t]
+
+
 def match_probability(cal: dict, temperature, confidence: jax.Array) -> jax.Array:
     """Calibrated match probabilities [..., K] of drafted tokens with confidences [..., K]
-    (`LadDrafter.draft(with_confidence=True)`), read from `Calibration.arrays()` at the
-    calibrated temperature nearest to `temperature` (a float or a traced scalar)."""
-    temps, table = cal["temperatures"], cal["table"]
-    t = jnp.argmin(jnp.abs(temps - jnp.asarray(temperature, jnp.float32)))
+    (`LadDrafter.draft(with_confidence=True)`), read from `calibrated_table`."""
+    table = calibrated_table(cal, temperature)
     bins = table.shape[-1]
     b = jnp.clip(jnp.floor(confidence * bins).astype(jnp.int32), 0, bins - 1)
-    k = jnp.arange(table.shape[1])
-    return table[t][k, b]
+    return table[jnp.arange(table.shape[0]), b]
 
 
 class LadDrafter:

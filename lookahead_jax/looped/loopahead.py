@@ -77,7 +77,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from lookahead_jax.generation import Output
-from lookahead_jax.looped.drafter import match_probability, output_embedding
+from lookahead_jax.looped.drafter import (calibrated_table, match_probability,
+                                          output_embedding)
 from lookahead_jax.looped.tree_method import (LoopStats, TreeMethod, discard_counts,
                                               loop_summary)
 from lookahead_jax.looped.spec_sampling import DraftVerifier, draft_chances, verify_drafts
@@ -431,8 +432,7 @@ class LoopAhead(TreeMethod):
         calibrated = self.retain == "calibrated" and not greedy
         if calibrated:  # a call only where its best first token could pay for its node
             cal = params["drafter"]["calibration"]
-            grid = jnp.linspace(0.0, 1.0, cal["table"].shape[-1] + 1)[:, None]  # every bin
-            best = match_probability(cal, self.sampling.temperature, grid)[:, 0].max()
+            best = calibrated_table(cal, self.sampling.temperature)[0].max()  # first token's
             eligible = eligible & (left * best > self.node_cost)
         rank = priority_rank(tree, eligible)
         calls = [eligible & (rank == j) for j in range(self.lad_calls)]
