@@ -212,6 +212,11 @@ def test_priority_and_discarded_nodes():
     assert np.flatnonzero(tree.discarded(~keep, jnp.asarray([0]), ~restart)[0]).tolist() == [
         1, 2, 3]
     assert not tree.discarded(~keep, jnp.asarray([0]), restart).any()
+    kids = tree.children()[0]
+    assert [np.flatnonzero(kids[i]).tolist() for i in range(4)] == [[1, 2], [3], [], []]
+    assert not kids[4:].any()  # empty slots have no children
+    freed = tree.free(jnp.arange(6)[None] == 3).children()[0]
+    assert np.flatnonzero(freed[1]).tolist() == []  # a freed node is no one's child
 
 
 def test_budget_and_calls_are_checked():

@@ -383,11 +383,11 @@ class LoopAhead(TreeMethod):
         pause (with their subtrees) and the one it favours resumes; at r2 the readout's own
         proposal joins as a child."""
         b, c = tree.valid.shape
-        rows, slots = jnp.arange(b), jnp.arange(c)
+        rows = jnp.arange(b)
         reads = (active & tree.valid & ~tree.fresh & (tree.depth >= self.r2)
                  & (tree.depth < r_full))
         at_r2 = reads & (tree.depth == self.r2)
-        kids = tree.valid[:, None, :] & (tree.parent[:, None, :] == slots[None, :, None])
+        kids = tree.children()
         if not self.sampling.greedy:
             return self._feedback_sampling(tree, paused, probs, reads, at_r2, kids.any(-1),
                                            key)
@@ -413,7 +413,7 @@ class LoopAhead(TreeMethod):
         rows, slots = jnp.arange(b), jnp.arange(c)
         greedy = self.sampling.greedy
         q_none = jnp.zeros((b, c, 1), jnp.float32)
-        kids = tree.valid[:, None, :] & (tree.parent[:, None, :] == slots[None, :, None])
+        kids = tree.children()
         has_kid = kids.any(-1)
         if greedy:  # the anchor is the r1 argmax, added when no child holds it
             anchor, q_anchor = state.native, q_none
@@ -479,9 +479,7 @@ class LoopAhead(TreeMethod):
     def _children(tree: LoopTree) -> tuple[jax.Array, jax.Array]:
         """Every node's children by kind, in creation order (`KINDS`): slots [B, C, KINDS]
         and whether each exists [B, C, KINDS]. A node has at most one child of each kind."""
-        c = tree.capacity
-        kids = tree.valid[:, None, :] & (tree.parent[:, None, :] == jnp.arange(c)[None, :, None])
-        of_kind = kids[:, :, None, :] & (tree.kind[:, None, None, :]
+        of_kind = tree.children()[:, :, None, :] & (tree.kind[:, None, None, :]
                                          == jnp.asarray(KINDS)[None, None, :, None])
         return jnp.argmax(of_kind, axis=-1).astype(jnp.int32), of_kind.any(-1)
 

@@ -96,6 +96,11 @@ class LoopTree:
         new = (self.anc & (d_anc == d_self)) | jnp.eye(c, dtype=bool)[None]
         return jnp.concatenate([old, new], axis=-1)
 
+    def children(self) -> jax.Array:
+        """[B, C, C] kids[b, i, j]: node j is a live child of node i."""
+        slots = jnp.arange(self.capacity)
+        return self.valid[:, None, :] & (self.parent[:, None, :] == slots[None, :, None])
+
     def free(self, drop: jax.Array) -> "LoopTree":
         """Removes the nodes where drop [B, C]; clears them from every ancestor set so their
         slots can be reused."""
