@@ -45,6 +45,8 @@ def test_settings_validated():
         dataclasses.replace(CFG, loop_weights=(1.0,))
     with pytest.raises(ValueError, match="mixture"):
         dataclasses.replace(CFG, mixture=(0.5, 0.5, 0.5, 0.5))
+    with pytest.raises(ValueError, match="kl_weight must be >= 0"):
+        dataclasses.replace(CFG, kl_weight=-1.0)
 
 
 def test_command_flags_set_the_recipe():
@@ -78,6 +80,50 @@ def test_init_block_copies_and_scales(teacher):
                                   src.self_attn.q_proj.kernel[...])
     np.testing.assert_allclose(block[0].mlp.down_proj.kernel[...],
                                CFG.out_scale * src.mlp.down_proj.kernel[...], rtol=1e-6)
+
+
+def test_output_kl():
+    """KL(teacher || student) of the next-token distributions: zero for equal logits (and
+    for logits shifted by a constant), the closed form for two-way distributions, and not
+    symmetric."""
+    a = jnp.asarray([[[0.0, 1.0], [2.0, -1.0]]])
+    assert abs(float(distill.output_kl(a, a))) < 1e-7
+    assert abs(float(distill.output_kl(a, a + 3.0))) < 1e-6
+    p, q = np.asarray([0.9, 0.1]), np.asarray([0.5, 0.5])
+    want = float(np.sum(p * np.log(p / q)))
+    got = distill.output_kl(jnp.log(jnp.asarray([[p]])), jnp.log(jnp.asarray([[q]])))
+    assert abs(float(got) - want) < 1e-6
+    back = distill.output_kl(jnp.log(jnp.asarray([[q]])), jnp.log(jnp.asarray([[p]])))
+    assert abs(float(back) - float(np.sum(q * np.log(q / p)))) < 1e-6 and float(back) != want
+
+
+def test_kl_weight_adds_the_output_kl_and_training_lowers_it(teacher):
+    """With kl_weight > 0 the step's terms are the per-loop state losses and the last loop's
+    output KL through the coda; the loss is their weighted sum, and steps lower the KL."""
+    cfg = dataclasses.replace(CFG, kl_weight=0.5)
+    tokens = _tokens(1)
+    t = distill.teacher_states(teacher, tokens, cfg.teacher_depths)
+    scale = jnp.std(t[1:], axis=(1, 2)) + 1e-3
+    block = distill.init_block(teacher, cfg)
+    graphdef, params = nnx.split(block, nnx.Param)
+    s = distill.student_states(teacher, block, t[0], tokens, cfg.num_loops)
+    coda_from = cfg.teacher_depths[-1]
+    want_kl = distill.output_kl(distill.readout_logits(teacher, coda_from, t[-1:], tokens)[0],
+                                distill.readout_logits(teacher, coda_from, s[-1:], tokens)[0])
+    want_state, _ = distill.state_loss(s, t[1:], scale, cfg.loop_weights)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam())
+    step = distill.make_step(teacher, graphdef, cfg, scale, tx)
+    opt = tx.init(params)
+    kls = []
+    for i in range(15):
+        params, opt, loss, terms = step(params, opt, tokens, jnp.float32(3e-3))
+        assert terms.shape == (cfg.num_loops + 1,)
+        if i == 0:  # the terms of the parameters before the update
+            np.testing.assert_allclose(float(terms[-1]), float(want_kl), rtol=1e-4)
+            np.testing.assert_allclose(float(loss), float(want_state + 0.5 * want_kl),
+                                       rtol=1e-4)
+        kls.append(float(terms[-1]))
+    assert float(want_kl) > 0 and kls[-1] < 0.7 * kls[0], kls
 
 
 def test_loss_is_zero_on_the_teachers_states_and_training_lowers_it(teacher):

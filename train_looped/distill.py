@@ -61,6 +61,7 @@ class DistillConfig:
     num_loops: int = 4
     out_scale: float = 0.25            # initial scale of the copied layers' output projections
     loop_weights: tuple[float, ...] = (1.0, 1.0, 1.0, 2.0)
+    kl_weight: float = 0.0             # > 0: plus KL(teacher || student) of the full-depth output
     mixture: tuple[float, ...] = (0.35, 0.3, 0.3, 0.05)  # SOURCES' shares of the windows
     tokens_per_source: int = 3_000_000
     seq_len: int = 256
@@ -84,6 +85,8 @@ class DistillConfig:
         if len(self.loop_weights) != self.num_loops:
             raise ValueError(f"loop_weights has {len(self.loop_weights)} entries, num_loops is "
                              f"{self.num_loops}")
+        if self.kl_weight < 0:
+            raise ValueError(f"kl_weight must be >= 0, got {self.kl_weight}")
         if len(self.mixture) != len(SOURCES) or abs(sum(self.mixture) - 1) > 1e-6:
             raise ValueError(f"mixture: {len(SOURCES)} shares summing to 1 ({SOURCES})")
 
@@ -248,21 +251,41 @@ def init_block(teacher, cfg: DistillConfig):
     return block
 
 
+def output_kl(teacher_logits, student_logits):
+    """Mean over positions of KL(teacher || student) of the next-token distributions."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    lt = jax.nn.log_softmax(teacher_logits, axis=-1)
+    ls = jax.nn.log_softmax(student_logits, axis=-1)
+    return jnp.mean(jnp.sum(jnp.exp(lt) * (lt - ls), axis=-1))
+
+
 def make_step(teacher, graphdef, cfg: DistillConfig, scale, tx):
     """The jitted training step (params, opt_state, tokens [B,T], lr) -> (params, opt_state,
-    loss, per-loop loss [R]): the teacher's states as targets, the block's loops from the
-    teacher's prelude output, `state_loss`, one optimizer update scaled by lr."""
+    loss, per-loop terms [R] (+ the output KL when kl_weight > 0)): the teacher's states as
+    targets, the block's loops from the teacher's prelude output, `state_loss` (plus kl_weight
+    times `output_kl` of the last loop read out through the coda), one optimizer update scaled
+    by lr."""
     import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
     depths = cfg.teacher_depths
+    coda_from = depths[-1]
+    kl = cfg.kl_weight > 0
 
     @jax.jit
     def step_fn(params, opt_state, tokens, lr):
         t = teacher_states(teacher, tokens, depths)
+        if kl:
+            want = jax.lax.stop_gradient(readout_logits(teacher, coda_from, t[-1:], tokens)[0])
 
         def loss_fn(p):
             s = student_states(teacher, nnx.merge(graphdef, p), t[0], tokens, cfg.num_loops)
-            return state_loss(s, t[1:], scale, cfg.loop_weights)
+            loss, terms = state_loss(s, t[1:], scale, cfg.loop_weights)
+            if kl:
+                div = output_kl(want, readout_logits(teacher, coda_from, s[-1:], tokens)[0])
+                loss, terms = loss + cfg.kl_weight * div, jnp.append(terms, div)
+            return loss, terms
 
         (loss, per_loop), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -346,6 +369,7 @@ def train(cfg: DistillConfig, workdir: pathlib.Path, *, progress: bool = True,
             params, opt_state, loss, per_loop = step_fn(state.params, state.opt_state, tokens,
                                                         jnp.float32(lr))
             loss, per_loop = float(loss), np.asarray(per_loop)
+            per_loop, kl = per_loop[:cfg.num_loops], per_loop[cfg.num_loops:]
             dt = time.perf_counter() - t0
             if not np.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {state.step}")
@@ -365,11 +389,13 @@ def train(cfg: DistillConfig, workdir: pathlib.Path, *, progress: bool = True,
                 bar.update(1)
                 bar.set_postfix_str(f"loss {loss:.3f} | per loop "
                                     + " ".join(f"{x:.2f}" for x in per_loop)
+                                    + "".join(f" | kl {x:.3f}" for x in kl)
                                     + f" | {tokens.size / dt:.0f} tok/s", refresh=False)
             if state.step % 10 == 0:
                 log.write(json.dumps({
                     "step": state.step, "lr": round(lr, 7), "loss": round(loss, 4),
                     "per_loop": per_loop.astype(float).round(4).tolist(),
+                    **({"kl": round(float(kl[0]), 4)} if kl.size else {}),
                     "tok_s": round(tokens.size / dt)}) + "\n")
                 log.flush()
             if time.perf_counter() - last_save > cfg.save_every_minutes * 60:
@@ -437,12 +463,14 @@ def define_flags() -> None:
                        "(default 0.25).")
     flags.DEFINE_list("loop_weights", None, "Per-loop loss weights (default 1,1,1,2).")
     flags.DEFINE_float("peak_lr", None, "Peak learning rate (default 5e-4).")
+    flags.DEFINE_float("kl_weight", None, "Weight of KL(teacher || student) of the last loop's "
+                       "output through the coda (default 0: hidden states only).")
     flags.DEFINE_integer("max_steps_this_run", None, "Stop after this many steps (resumable).")
     flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
 
 FLAG_FIELDS = ("steps", "minutes", "batch_size", "prelude_layers", "replaced_layers",
-               "core_layers", "num_loops", "out_scale", "loop_weights", "peak_lr")
+               "core_layers", "num_loops", "out_scale", "loop_weights", "peak_lr", "kl_weight")
 
 
 def config_from_flags(values: dict) -> DistillConfig:
