@@ -29,12 +29,10 @@ import time
 from absl import app, flags
 
 from benchmarks.common import encoded_prompts, machine_info, markdown_table, write_json
-from benchmarks.looped_bench import loop_counts
+from benchmarks.looped_bench import measure_totals as measure
 from lookahead_jax.sampling import Sampling
 
 FLAGS = flags.FLAGS
-COUNTS = ("loops", "advances", "verified", "accepted", "discarded", "discarded_advances",
-          "discarded_full")
 
 
 def define_flags() -> None:
@@ -88,28 +86,6 @@ def ablation_methods(engine, lad: str, budget: int, loopspec: bool = True,
         out[f"LoopSpec (d1={r1}, d2={r2})", None, None, None] = engine.build_method(
             "loopspec", sampling, d1=r1, d2=r2)
     return out
-
-
-def measure(engine, method, prompts: list[list[int]], new: int, seed: int = 0) -> dict:
-    """Totals over the prompts (after one warm-up generation): the `COUNTS`, tokens, seconds
-    (prefill + decode) and the outputs."""
-    engine.generate_ids(prompts[:1], method=method, max_new_tokens=new, seed=seed)
-    r_full = engine.config.num_loops
-    tot = dict.fromkeys(COUNTS, 0) | {"tokens": 0, "seconds": 0.0, "outputs": []}
-    for p in prompts:
-        r = engine.generate_ids([p], method=method, max_new_tokens=new, seed=seed)
-        lo, ad, ve = loop_counts(method, r, r_full)
-        e = r.stats.extra
-        acc = e.get("accepted", 0)  # verifications that kept a drafted child
-        for k, v in (("loops", lo), ("advances", ad), ("verified", ve), ("accepted", acc),
-                     ("discarded", e.get("discarded", 0)),
-                     ("discarded_advances", e.get("discarded_advances", 0)),
-                     ("discarded_full", e.get("discarded_full", 0))):
-            tot[k] += v
-        tot["tokens"] += r.stats.total_tokens
-        tot["seconds"] += r.stats.prefill_s + r.stats.decode_s
-        tot["outputs"].append(r.tokens[0])
-    return tot
 
 
 def summarize(tot: dict, plain: dict, r_full: int, greedy: bool = True) -> dict:

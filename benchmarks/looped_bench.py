@@ -80,21 +80,39 @@ def loop_counts(method: Method, result, r_full: int) -> tuple[int, int, int]:
     return e["loops"], e["advances"], e["verified_tokens"]
 
 
-def measure(engine, method, prompts: list[list[int]], new: int, r_full: int) -> dict:
-    engine.generate_ids(prompts[:1], method=method, max_new_tokens=new)  # compile + warm up
-    loops = adv = verified = tokens = 0
-    seconds = 0.0
-    outputs = []
+COUNTS = ("loops", "advances", "verified", "accepted", "discarded", "discarded_advances",
+          "discarded_full")
+
+
+def measure_totals(engine, method, prompts: list[list[int]], new: int, seed: int = 0) -> dict:
+    """Totals over the prompts (after one warm-up generation): the `COUNTS`, tokens, seconds
+    (prefill + decode) and the outputs."""
+    engine.generate_ids(prompts[:1], method=method, max_new_tokens=new, seed=seed)
+    r_full = engine.config.num_loops
+    tot = dict.fromkeys(COUNTS, 0) | {"tokens": 0, "seconds": 0.0, "outputs": []}
     for p in prompts:
-        r = engine.generate_ids([p], method=method, max_new_tokens=new)
-        seconds += r.stats.prefill_s + r.stats.decode_s
-        tokens += r.stats.total_tokens
-        outputs.append(r.tokens[0])
+        r = engine.generate_ids([p], method=method, max_new_tokens=new, seed=seed)
         lo, ad, ve = loop_counts(method, r, r_full)
-        loops, adv, verified = loops + lo, adv + ad, verified + ve
-    return {"loops_per_token": loops / max(verified, 1),
-            "advances_per_token": adv / max(verified, 1),
-            "tokens_per_s": tokens / seconds if seconds else float("nan"), "outputs": outputs}
+        e = r.stats.extra
+        acc = e.get("accepted", 0)  # verifications that kept a drafted child
+        for k, v in (("loops", lo), ("advances", ad), ("verified", ve), ("accepted", acc),
+                     ("discarded", e.get("discarded", 0)),
+                     ("discarded_advances", e.get("discarded_advances", 0)),
+                     ("discarded_full", e.get("discarded_full", 0))):
+            tot[k] += v
+        tot["tokens"] += r.stats.total_tokens
+        tot["seconds"] += r.stats.prefill_s + r.stats.decode_s
+        tot["outputs"].append(r.tokens[0])
+    return tot
+
+
+def measure(engine, method, prompts: list[list[int]], new: int) -> dict:
+    """Per output token: loops and candidate advances, tokens/s, and the outputs."""
+    tot = measure_totals(engine, method, prompts, new)
+    ver = max(tot["verified"], 1)
+    return {"loops_per_token": tot["loops"] / ver, "advances_per_token": tot["advances"] / ver,
+            "tokens_per_s": tot["tokens"] / tot["seconds"] if tot["seconds"] else float("nan"),
+            "outputs": tot["outputs"]}
 
 
 def main(argv) -> int:
@@ -108,7 +126,7 @@ def main(argv) -> int:
         prompts = encoded_prompts(engine, name, FLAGS.num_prompts, FLAGS.data_dir)
         base = None
         for label, method in table.items():
-            m = measure(engine, method, prompts, FLAGS.max_new_tokens, r_full)
+            m = measure(engine, method, prompts, FLAGS.max_new_tokens)
             if label == "ar":
                 base = m
             m["exact"] = m["outputs"] == base["outputs"]
