@@ -47,6 +47,8 @@ def test_settings_validated():
         dataclasses.replace(CFG, mixture=(0.5, 0.5, 0.5, 0.5))
     with pytest.raises(ValueError, match="kl_weight must be >= 0"):
         dataclasses.replace(CFG, kl_weight=-1.0)
+    with pytest.raises(ValueError, match="kl_every_depth needs kl_weight > 0"):
+        dataclasses.replace(CFG, kl_every_depth=True)
 
 
 def test_command_flags_set_the_recipe():
@@ -124,6 +126,35 @@ def test_kl_weight_adds_the_output_kl_and_training_lowers_it(teacher):
                                        rtol=1e-4)
         kls.append(float(terms[-1]))
     assert float(want_kl) > 0 and kls[-1] < 0.7 * kls[0], kls
+
+
+def test_kl_every_depth_reads_each_loop_against_the_teachers_exit_there(teacher):
+    """kl_every_depth: loop r's readout through the coda against the teacher's state after the
+    r-th span of replaced layers read out through the same coda (at r = R the teacher's own
+    output); the teacher's states give zero KL at every depth."""
+    cfg = dataclasses.replace(CFG, kl_weight=2.0, kl_every_depth=True)
+    tokens = _tokens(2)
+    t = distill.teacher_states(teacher, tokens, cfg.teacher_depths)  # depths 1, 3, 5
+    coda_from = cfg.teacher_depths[-1]
+    exit_at = distill.readout_logits(teacher, coda_from, t[1:], tokens)
+    _, _, mask = distill._llama_pieces(teacher, tokens)
+    full, _ = teacher(tokens, jnp.broadcast_to(jnp.arange(12), (3, 12)), mask)
+    np.testing.assert_allclose(np.asarray(exit_at[-1]), np.asarray(full), atol=1e-4)
+    scale = jnp.std(t[1:], axis=(1, 2)) + 1e-3
+    block = distill.init_block(teacher, cfg)
+    graphdef, params = nnx.split(block, nnx.Param)
+    s = distill.student_states(teacher, block, t[0], tokens, cfg.num_loops)
+    got = distill.readout_logits(teacher, coda_from, s, tokens)
+    want = [float(distill.output_kl(exit_at[r], got[r])) for r in range(cfg.num_loops)]
+    state, _ = distill.state_loss(s, t[1:], scale, cfg.loop_weights)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam())
+    step = distill.make_step(teacher, graphdef, cfg, scale, tx)
+    _, _, loss, terms = step(params, tx.init(params), tokens, jnp.float32(1e-3))
+    assert terms.shape == (2 * cfg.num_loops,) and min(want) > 0
+    np.testing.assert_allclose(np.asarray(terms[cfg.num_loops:]), want, rtol=1e-4)
+    np.testing.assert_allclose(float(loss), float(state) + 2.0 * sum(want), rtol=1e-4)
+    same = [float(distill.output_kl(exit_at[r], exit_at[r])) for r in range(cfg.num_loops)]
+    assert max(abs(x) for x in same) < 1e-6
 
 
 def test_loss_is_zero_on_the_teachers_states_and_training_lowers_it(teacher):

@@ -178,29 +178,32 @@ def test_loopspec_and_loopahead_decode_it_as_plain():
         assert got.tokens == plain, method
 
 
-def _shipped_smol_loop():
-    """The shipped smol_loop preset's (engine, tokenizer), or skip: its block is in
-    checkpoints/smol_loop, its other layers in the embedded SmolLM2 GGUF."""
+def _shipped(name: str):
+    """The engine of a shipped SmolLM2-made-recursive preset, or skip: its block is in
+    checkpoints/<name>, its other layers in the embedded SmolLM2 GGUF."""
     import os  # noqa: PLC0415
 
     from lookahead_jax.store.model_store import smollm2_gguf  # noqa: PLC0415
     from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
     from models.config import ConfigError  # noqa: PLC0415
-    if not os.path.isdir(load_preset("smol_loop").checkpoint):
-        pytest.skip("checkpoints/smol_loop not present")
+    if not os.path.isdir(load_preset(name).checkpoint):
+        pytest.skip(f"checkpoints/{name} not present")
     try:
         smollm2_gguf(download=False)
     except ConfigError as e:
         pytest.skip(f"SmolLM2 not available ({e})")
     from lookahead_jax.engine import Engine  # noqa: PLC0415
-    return Engine.from_preset("smol_loop")
+    return Engine.from_preset(name)
 
 
-def test_shipped_smol_loop_writes_text_and_uses_its_loops():
-    """The shipped model loads over the GGUF, its later loops predict a fixed prose passage
-    better than its first (by more than 0.1 nats) and its greedy chat reply is words (the
-    suite checks LoopSpec's and LoopAhead's exactness on it: benchmarks/results)."""
-    engine = _shipped_smol_loop()
+@pytest.mark.parametrize("name,margin", [("smol_loop", 0.1), ("smol_loop_r2", 0.05)])
+def test_shipped_smol_loop_writes_text_and_uses_its_loops(name, margin):
+    """The shipped model loads over the GGUF, its last loop predicts a fixed prose passage
+    better than its first (by more than `margin` nats; smol_loop_r2 reads 3.52 -> 3.45 here, and
+    on the 24 held-out windows of checkpoints/README.md smol_loop gains 0.57, smol_loop_r2
+    0.105) and its greedy chat reply is words, which LoopSpec and LoopAhead (no drafter)
+    reproduce (the suite checks them on more prompts: benchmarks/results)."""
+    engine = _shipped(name)
     tok = engine.tokenizer
     model = nnx.merge(engine.graphdef, engine.params)
     text = ("The Python standard library contains modules for working with files, dates and "
@@ -212,8 +215,11 @@ def test_shipped_smol_loop_writes_text_and_uses_its_loops():
     logits, _ = model.loop_logits(ids[:, :-1], pos[:, :-1])
     lp = jax.nn.log_softmax(logits, axis=-1)
     ce = -np.asarray(jnp.take_along_axis(lp, ids[None, :, 1:, None], axis=-1)).mean(axis=(1, 2, 3))
-    assert ce[-1] < ce[0] - 0.1, ce
+    assert ce[-1] < ce[0] - margin, ce
     prompt = engine.encode("Name three colours of the rainbow.")
     plain = engine.generate_ids([prompt], method="ar", max_new_tokens=16)
     words = tok.decode(plain.tokens[0])
     assert sum(w.isalpha() for w in words.split()) >= 3, words
+    for method in ("loopspec", "loopahead"):
+        got = engine.generate_ids([prompt], method=method, max_new_tokens=16)
+        assert got.tokens == plain.tokens, method

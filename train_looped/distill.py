@@ -3,7 +3,12 @@ one shared block run R times, the block trained to reproduce the replaced layers
 
     python -m train_looped.distill --out=checkpoints/smol_loop
         [--prelude_layers=12 --replaced_layers=8 --core_layers=2 --num_loops=4 --out_scale=0.25
-         --loop_weights=1,1,1,2 --peak_lr=5e-4] [--minutes=60] [--workdir=...]
+         --loop_weights=1,1,1,2 --peak_lr=5e-4 --kl_weight=0] [--minutes=60] [--workdir=...]
+
+    # checkpoints/smol_loop_r2: one layer run twice in place of layers 14-15, the KL at both
+    python -m train_looped.distill --out=checkpoints/smol_loop_r2 --prelude_layers=14 \
+        --replaced_layers=2 --core_layers=1 --num_loops=2 --out_scale=1 --loop_weights=1,1 \
+        --kl_weight=1 --kl_every_depth --minutes=45
 
 The student (`models.recursive`, family "recursive"): SmolLM2's embedding and its first
 `prelude_layers` layers (the prelude, frozen), a block of `core_layers` pre-norm Llama layers run
@@ -18,10 +23,17 @@ reproduce the teacher's residual stream after layer prelude_layers + r * replace
 The loss is the sum over loops of `loop_weights[r]` times the mean squared error of the states,
 each dimension divided by the teacher's standard deviation of that dimension at that depth
 (measured once on the first batch: the residual stream's few very large dimensions would
-otherwise be all the loss measures). Only the block is trained, so only the block is shipped
-(`models.recursive` rebuilds the rest from the SmolLM2 GGUF it names by sha256); the coda is
-not run in training, which is what makes a step cheap: the teacher's first prelude +
-replaced layers (no gradient) and R loops of the block (with it).
+otherwise be all the loss measures). With --kl_weight > 0 the loss adds that weight times
+KL(teacher || student) of the next-token distributions, the last loop's state read out through
+the coda against SmolLM2's own output (`output_kl`): the states are a proxy, the output is what
+greedy text is made of. With --kl_every_depth, loop r's readout is held to the teacher's
+exit after the r-th span of replaced layers (its state there read out through the same coda):
+without it, a trained single pass of the block does nearly all the replaced layers' work and
+the later loops add little. Only the block is trained, so only the block is shipped
+(`models.recursive` rebuilds the rest from the SmolLM2 GGUF it names by sha256). Without the
+KL the coda is not run in training, which makes a step cheap (the teacher's first prelude +
+replaced layers without gradient, R loops of the block with it); the KL adds the coda's
+forward for the teacher and forward and backward for the student, at each depth it reads.
 
 Data: the offline corpus of `train_looped.corpus` (train split only), each source tokenized
 with SmolLM2's tokenizer, the chat pairs (GSM8K train, the Python FAQ) through its chat
@@ -62,6 +74,7 @@ class DistillConfig:
     out_scale: float = 0.25            # initial scale of the copied layers' output projections
     loop_weights: tuple[float, ...] = (1.0, 1.0, 1.0, 2.0)
     kl_weight: float = 0.0             # > 0: plus KL(teacher || student) of the full-depth output
+    kl_every_depth: bool = False       # the KL at every depth, against the teacher's exit there
     mixture: tuple[float, ...] = (0.35, 0.3, 0.3, 0.05)  # SOURCES' shares of the windows
     tokens_per_source: int = 3_000_000
     seq_len: int = 256
@@ -87,6 +100,8 @@ class DistillConfig:
                              f"{self.num_loops}")
         if self.kl_weight < 0:
             raise ValueError(f"kl_weight must be >= 0, got {self.kl_weight}")
+        if self.kl_every_depth and not self.kl_weight:
+            raise ValueError("kl_every_depth needs kl_weight > 0")
         if len(self.mixture) != len(SOURCES) or abs(sum(self.mixture) - 1) > 1e-6:
             raise ValueError(f"mixture: {len(SOURCES)} shares summing to 1 ({SOURCES})")
 
@@ -262,29 +277,35 @@ def output_kl(teacher_logits, student_logits):
 
 def make_step(teacher, graphdef, cfg: DistillConfig, scale, tx):
     """The jitted training step (params, opt_state, tokens [B,T], lr) -> (params, opt_state,
-    loss, per-loop terms [R] (+ the output KL when kl_weight > 0)): the teacher's states as
-    targets, the block's loops from the teacher's prelude output, `state_loss` (plus kl_weight
-    times `output_kl` of the last loop read out through the coda), one optimizer update scaled
-    by lr."""
+    loss, terms): the teacher's states as targets, the block's loops from the teacher's prelude
+    output, `state_loss` (terms: its per-loop errors [R]), one optimizer update scaled by lr.
+    With kl_weight > 0, plus kl_weight times `output_kl` of the last loop read out through the
+    coda against the teacher's output (terms gain it: [R + 1]); with kl_every_depth, of every
+    loop r against the teacher's exit after the r-th of the R spans of replaced layers, its
+    state then read out through the same coda (the teacher's output at r = R; terms [2R])."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
     depths = cfg.teacher_depths
     coda_from = depths[-1]
     kl = cfg.kl_weight > 0
+    # the depths the KL reads: the teacher's states t [R+1] at depths 1..R (or R), the
+    # student's s [R] after loops 1..R (or R)
+    t_at, s_at = (slice(1, None), slice(None)) if cfg.kl_every_depth else (slice(-1, None),) * 2
 
     @jax.jit
     def step_fn(params, opt_state, tokens, lr):
         t = teacher_states(teacher, tokens, depths)
         if kl:
-            want = jax.lax.stop_gradient(readout_logits(teacher, coda_from, t[-1:], tokens)[0])
+            want = jax.lax.stop_gradient(readout_logits(teacher, coda_from, t[t_at], tokens))
 
         def loss_fn(p):
             s = student_states(teacher, nnx.merge(graphdef, p), t[0], tokens, cfg.num_loops)
             loss, terms = state_loss(s, t[1:], scale, cfg.loop_weights)
             if kl:
-                div = output_kl(want, readout_logits(teacher, coda_from, s[-1:], tokens)[0])
-                loss, terms = loss + cfg.kl_weight * div, jnp.append(terms, div)
+                got = readout_logits(teacher, coda_from, s[s_at], tokens)
+                div = jax.vmap(output_kl)(want, got)
+                loss, terms = loss + cfg.kl_weight * div.sum(), jnp.concatenate([terms, div])
             return loss, terms
 
         (loss, per_loop), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -369,7 +390,7 @@ def train(cfg: DistillConfig, workdir: pathlib.Path, *, progress: bool = True,
             params, opt_state, loss, per_loop = step_fn(state.params, state.opt_state, tokens,
                                                         jnp.float32(lr))
             loss, per_loop = float(loss), np.asarray(per_loop)
-            per_loop, kl = per_loop[:cfg.num_loops], per_loop[cfg.num_loops:]
+            per_loop, kl = per_loop[:cfg.num_loops], per_loop[cfg.num_loops:]  # kl: [0], [1], [R]
             dt = time.perf_counter() - t0
             if not np.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {state.step}")
@@ -389,13 +410,14 @@ def train(cfg: DistillConfig, workdir: pathlib.Path, *, progress: bool = True,
                 bar.update(1)
                 bar.set_postfix_str(f"loss {loss:.3f} | per loop "
                                     + " ".join(f"{x:.2f}" for x in per_loop)
-                                    + "".join(f" | kl {x:.3f}" for x in kl)
+                                    + (" | kl " if kl.size else "")
+                                    + " ".join(f"{x:.3f}" for x in kl)
                                     + f" | {tokens.size / dt:.0f} tok/s", refresh=False)
             if state.step % 10 == 0:
                 log.write(json.dumps({
                     "step": state.step, "lr": round(lr, 7), "loss": round(loss, 4),
                     "per_loop": per_loop.astype(float).round(4).tolist(),
-                    **({"kl": round(float(kl[0]), 4)} if kl.size else {}),
+                    **({"kl": kl.astype(float).round(4).tolist()} if kl.size else {}),
                     "tok_s": round(tokens.size / dt)}) + "\n")
                 log.flush()
             if time.perf_counter() - last_save > cfg.save_every_minutes * 60:
@@ -463,6 +485,8 @@ def define_flags() -> None:
                        "(default 0.25).")
     flags.DEFINE_list("loop_weights", None, "Per-loop loss weights (default 1,1,1,2).")
     flags.DEFINE_float("peak_lr", None, "Peak learning rate (default 5e-4).")
+    flags.DEFINE_bool("kl_every_depth", None, "The KL at every loop, against the teacher's exit "
+                      "after the same share of the replaced layers (default: the last loop).")
     flags.DEFINE_float("kl_weight", None, "Weight of KL(teacher || student) of the last loop's "
                        "output through the coda (default 0: hidden states only).")
     flags.DEFINE_integer("max_steps_this_run", None, "Stop after this many steps (resumable).")
@@ -470,7 +494,8 @@ def define_flags() -> None:
 
 
 FLAG_FIELDS = ("steps", "minutes", "batch_size", "prelude_layers", "replaced_layers",
-               "core_layers", "num_loops", "out_scale", "loop_weights", "peak_lr", "kl_weight")
+               "core_layers", "num_loops", "out_scale", "loop_weights", "peak_lr", "kl_weight",
+               "kl_every_depth")
 
 
 def config_from_flags(values: dict) -> DistillConfig:
