@@ -62,6 +62,11 @@ def test_command_flags_set_the_recipe():
         14, 4, 1, 4)
     assert cfg.teacher_depths == [14, 15, 16, 17, 18] and cfg.loop_weights == (1, 1, 1, 2)
     assert cfg.peak_lr == 1e-3 and cfg.batch_size == 8  # the rest: the defaults
+    kl = config_from_flags({"kl_weight": 1.0, "kl_every_depth": True, "num_loops": 2,
+                            "replaced_layers": 2, "loop_weights": ["1", "1"]})
+    assert kl.kl_weight == 1.0 and kl.kl_every_depth and kl.teacher_depths == [12, 13, 14]
+    with pytest.raises(SystemExit, match="kl_every_depth needs kl_weight > 0"):
+        config_from_flags({"kl_every_depth": True})
     with pytest.raises(SystemExit, match="must be a multiple of num_loops"):
         config_from_flags({"replaced_layers": 6, "num_loops": 4})
     with pytest.raises(SystemExit, match="loop_weights has 4 entries, num_loops is 3"):
@@ -82,6 +87,19 @@ def test_init_block_copies_and_scales(teacher):
                                   src.self_attn.q_proj.kernel[...])
     np.testing.assert_allclose(block[0].mlp.down_proj.kernel[...],
                                CFG.out_scale * src.mlp.down_proj.kernel[...], rtol=1e-6)
+
+
+def test_resuming_checks_the_recorded_settings():
+    """A workdir's run.json config: other settings are named, the time budget is not, and a
+    run recorded before a setting existed resumes as if it had the default."""
+    import json  # noqa: PLC0415
+    old = json.loads(json.dumps(dataclasses.asdict(CFG)))
+    assert distill.changed_settings(old, dataclasses.replace(CFG, minutes=5, steps=9)) == []
+    assert distill.changed_settings(old, dataclasses.replace(CFG, peak_lr=1e-3)) == ["peak_lr"]
+    older = {k: v for k, v in old.items() if k not in ("kl_weight", "kl_every_depth")}
+    assert distill.changed_settings(older, CFG) == []
+    assert distill.changed_settings(older, dataclasses.replace(CFG, kl_weight=1.0)) == [
+        "kl_weight"]
 
 
 def test_output_kl():

@@ -390,7 +390,7 @@ def train(cfg: DistillConfig, workdir: pathlib.Path, *, progress: bool = True,
             params, opt_state, loss, per_loop = step_fn(state.params, state.opt_state, tokens,
                                                         jnp.float32(lr))
             loss, per_loop = float(loss), np.asarray(per_loop)
-            per_loop, kl = per_loop[:cfg.num_loops], per_loop[cfg.num_loops:]  # kl: [0], [1], [R]
+            per_loop, kl = per_loop[:cfg.num_loops], per_loop[cfg.num_loops:]  # KL terms: 0, 1 or R
             dt = time.perf_counter() - t0
             if not np.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {state.step}")
@@ -510,6 +510,15 @@ def config_from_flags(values: dict) -> DistillConfig:
         raise SystemExit(f"distill: {e}") from None
 
 
+def changed_settings(old: dict, cfg: DistillConfig) -> list[str]:
+    """The settings in which cfg differs from a workdir's recorded config `old` (its run.json),
+    the time budget aside; a setting that `old` predates counts as its default."""
+    as_json = lambda c: json.loads(json.dumps(dataclasses.asdict(c)))  # noqa: E731
+    mine, default = as_json(cfg), as_json(DistillConfig())
+    return [k for k in mine
+            if k not in ("steps", "minutes") and old.get(k, default[k]) != mine[k]]
+
+
 def main(argv) -> int:
     del argv
     logging.set_verbosity(logging.WARNING)
@@ -520,9 +529,7 @@ def main(argv) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     run_file = workdir / "run.json"
     if run_file.exists():
-        old = json.loads(run_file.read_text())["config"]
-        mine = json.loads(json.dumps(dataclasses.asdict(cfg)))
-        changed = [k for k in mine if k not in ("steps", "minutes") and old.get(k) != mine[k]]
+        changed = changed_settings(json.loads(run_file.read_text())["config"], cfg)
         if changed:
             raise SystemExit(f"{workdir} was trained with other settings ({', '.join(changed)});"
                              f" pass another --workdir")
