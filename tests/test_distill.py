@@ -37,6 +37,12 @@ def _tokens(seed=0, b=3, t=12):
     return jnp.asarray(np.random.default_rng(seed).integers(0, 53, (b, t)), jnp.int32)
 
 
+def _trainer(teacher, graphdef, params, cfg, scale):
+    """distill's training step for cfg under clipped Adam, and the optimizer's first state."""
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam())
+    return distill.make_step(teacher, graphdef, cfg, scale, tx), tx.init(params)
+
+
 def test_settings_validated():
     assert CFG.teacher_depths == [1, 3, 5]
     with pytest.raises(ValueError, match="multiple of num_loops"):
@@ -131,9 +137,7 @@ def test_kl_weight_adds_the_output_kl_and_training_lowers_it(teacher):
     want_kl = distill.output_kl(distill.readout_logits(teacher, coda_from, t[-1:], tokens)[0],
                                 distill.readout_logits(teacher, coda_from, s[-1:], tokens)[0])
     want_state, _ = distill.state_loss(s, t[1:], scale, cfg.loop_weights)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam())
-    step = distill.make_step(teacher, graphdef, cfg, scale, tx)
-    opt = tx.init(params)
+    step, opt = _trainer(teacher, graphdef, params, cfg, scale)
     kls = []
     for i in range(15):
         params, opt, loss, terms = step(params, opt, tokens, jnp.float32(3e-3))
@@ -165,9 +169,8 @@ def test_kl_every_depth_reads_each_loop_against_the_teachers_exit_there(teacher)
     got = distill.readout_logits(teacher, coda_from, s, tokens)
     want = [float(distill.output_kl(exit_at[r], got[r])) for r in range(cfg.num_loops)]
     state, _ = distill.state_loss(s, t[1:], scale, cfg.loop_weights)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam())
-    step = distill.make_step(teacher, graphdef, cfg, scale, tx)
-    _, _, loss, terms = step(params, tx.init(params), tokens, jnp.float32(1e-3))
+    step, opt = _trainer(teacher, graphdef, params, cfg, scale)
+    _, _, loss, terms = step(params, opt, tokens, jnp.float32(1e-3))
     assert terms.shape == (2 * cfg.num_loops,) and min(want) > 0
     np.testing.assert_allclose(np.asarray(terms[cfg.num_loops:]), want, rtol=1e-4)
     np.testing.assert_allclose(float(loss), float(state) + 2.0 * sum(want), rtol=1e-4)
@@ -184,9 +187,7 @@ def test_loss_is_zero_on_the_teachers_states_and_training_lowers_it(teacher):
     assert float(loss) == 0 and per.shape == (2,)
     block = distill.init_block(teacher, CFG)
     graphdef, params = nnx.split(block, nnx.Param)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam())
-    step = distill.make_step(teacher, graphdef, CFG, scale, tx)
-    opt = tx.init(params)
+    step, opt = _trainer(teacher, graphdef, params, CFG, scale)
     losses = []
     for _ in range(15):
         params, opt, loss, _ = step(params, opt, tokens, jnp.float32(3e-3))
