@@ -202,7 +202,8 @@ def test_shipped_smol_loop_writes_text_and_uses_its_loops(name, margin):
     better than its first (by more than `margin` nats; smol_loop_r2 reads 3.52 -> 3.45 here, and
     on the 24 held-out windows of checkpoints/README.md smol_loop gains 0.57, smol_loop_r2
     0.105) and its greedy chat reply is words, which LoopSpec and LoopAhead (no drafter)
-    reproduce (the suite checks them on more prompts: benchmarks/results)."""
+    reproduce, and so does LoopAhead with the model's shipped drafter, checkpoints/<name>_lad
+    (the suite checks them on more prompts: benchmarks/results)."""
     engine = _shipped(name)
     tok = engine.tokenizer
     model = nnx.merge(engine.graphdef, engine.params)
@@ -220,6 +221,8 @@ def test_shipped_smol_loop_writes_text_and_uses_its_loops(name, margin):
     plain = engine.generate_ids([prompt], method="ar", max_new_tokens=16)
     words = tok.decode(plain.tokens[0])
     assert sum(w.isalpha() for w in words.split()) >= 3, words
-    for method in ("loopspec", "loopahead"):
+    from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
+    lad = load_preset(name).checkpoint.rstrip("/") + "_lad"
+    for method in ("loopspec", "loopahead", engine.build_method("loopahead", lad=lad)):
         got = engine.generate_ids([prompt], method=method, max_new_tokens=16)
         assert got.tokens == plain.tokens, method
