@@ -6,7 +6,10 @@ budgets (nodes advanced per step), beside plain decoding and LoopSpec at the sam
 
 `--r2` sets the feedback depth (default 2 r1). Greedy by default; `--temperature=0.7` (top-k /
 top-p as the CLI's) samples instead, and `--node_costs=0.1,0.3` adds the drafter with
-calibrated retention (`retain="calibrated"`, one pair of rows per node cost). Per
+calibrated retention (`retain="calibrated"`, one pair of rows per node cost), and
+`--suspend_below=0.1` sets LoopAhead's sampling suspension threshold (a child the feedback
+readout gives at least that chance of acceptance keeps running beside the likeliest; default
+the method's 1: only the likeliest runs). Per
 budget and method, over the prompts of each data set: shared-block calls (loops)
 per output token relative to plain decoding's R, candidate advances per token, the share of
 all advances spent on nodes that verification discarded, the share of discarded nodes that had
@@ -54,6 +57,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("top_k", 0, "Sampling: top-k (0: off).")
     flags.DEFINE_float("top_p", 1.0, "Sampling: top-p (1: off).")
     flags.DEFINE_integer("seed", 0, "Sampling: the seed of every generation.")
+    flags.DEFINE_float("suspend_below", None, "Sampling: LoopAhead's suspension threshold, a "
+                       "child given at least this chance keeps running (default: the method's).")
     flags.DEFINE_string("data_dir", None, "Prompt sets (default ../shared/data).")
     flags.DEFINE_string("out", None, "JSON output (default benchmarks/results/"
                         "loopahead_ablation_<config>.json).")
@@ -61,12 +66,14 @@ def define_flags() -> None:
 
 def ablation_methods(engine, lad: str, budget: int, loopspec: bool = True,
                      sampling: Sampling = Sampling(), r2: int | None = None,
-                     node_costs: tuple[float, ...] = ()) -> dict:
+                     node_costs: tuple[float, ...] = (),
+                     suspend_below: float | None = None) -> dict:
     """(label, drafter on, scheduling on, node cost) -> Method: LoopAhead with the drafter on
     / off x scheduling on / off at the drafter's depths (r1 its draft depth, r2 given or 2 r1)
     and the budget (node cost None), the drafter with calibrated retention at each of
-    node_costs (sampling), and (with `loopspec`) LoopSpec proposing at the same depths (None,
-    None, None; it has no budget)."""
+    node_costs (sampling), every LoopAhead at `suspend_below` (None: the method's default),
+    and (with `loopspec`) LoopSpec proposing at the same depths (None, None, None; it has no
+    budget)."""
     drafted = engine.build_method("loopahead", sampling, lad=lad)
     r1, loops = drafted.r1, engine.config.num_loops
     if r2 is None:
@@ -79,6 +86,8 @@ def ablation_methods(engine, lad: str, budget: int, loopspec: bool = True,
                      + ("" if cost is None else f" (calibrated, node cost {cost:g})")
                      + f", scheduling {'on' if sched else 'off'}")
             extra = {} if cost is None else {"retain": "calibrated", "node_cost": cost}
+            if suspend_below is not None:
+                extra["suspend_below"] = suspend_below
             out[label, lad_on, sched, cost] = engine.build_method(
                 "loopahead", sampling, lad=drafted.drafter if lad_on else None, r1=r1, r2=r2,
                 scheduling=sched, max_active=budget, **extra)
@@ -101,7 +110,7 @@ def summarize(tot: dict, plain: dict, r_full: int, greedy: bool = True) -> dict:
 def run(config: str, lad: str, budgets: list[int], sets: list[str], num_prompts: int,
         new: int, data_dir: str | None = None, ckpt: str | None = None,
         sampling: Sampling = Sampling(), seed: int = 0, r2: int | None = None,
-        node_costs: tuple[float, ...] = (),
+        node_costs: tuple[float, ...] = (), suspend_below: float | None = None,
         log=lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
     from lookahead_jax.engine import Engine  # noqa: PLC0415
     ckpt = ckpt or os.path.join("checkpoints", config)
@@ -113,7 +122,8 @@ def run(config: str, lad: str, budgets: list[int], sets: list[str], num_prompts:
     rows = []
     for i, budget in enumerate(budgets):
         methods = ablation_methods(engine, lad, budget, loopspec=i == 0, sampling=sampling,
-                                   r2=r2, node_costs=node_costs)
+                                   r2=r2, node_costs=node_costs,
+                                   suspend_below=suspend_below)
         for (label, lad_on, sched, cost), method in methods.items():
             row = {"budget": budget if lad_on is not None else None, "method": label,
                    "lad": lad_on, "scheduling": sched, "node_cost": cost,
@@ -130,6 +140,7 @@ def run(config: str, lad: str, budgets: list[int], sets: list[str], num_prompts:
     return {"config": config, "checkpoint": ckpt, "lad": lad, "num_loops": r_full,
             "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k,
                          "top_p": sampling.top_p, "seed": seed},
+            "suspend_below": suspend_below,
             "sets": sets, "num_prompts": num_prompts, "max_new_tokens": new,
             "prompts": len(prompts), "machine": machine_info(), "rows": rows}
 
@@ -153,6 +164,14 @@ def main(argv) -> int:
         print("error: --lad (a drafter file or train_lad workdir) is required", file=sys.stderr)
         return 2
     sampling = Sampling(FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
+    if FLAGS.suspend_below is not None and sampling.greedy:
+        print("error: --suspend_below applies to sampling (greedy feedback runs only the "
+              "argmax child): give a --temperature", file=sys.stderr)
+        return 2
+    if FLAGS.suspend_below is not None and not 0 <= FLAGS.suspend_below <= 1:
+        print(f"error: --suspend_below must lie in [0, 1], got {FLAGS.suspend_below}",
+              file=sys.stderr)
+        return 2
     if FLAGS.node_costs and sampling.greedy:
         print("error: --node_costs (calibrated retention) applies to sampling: give a "
               "--temperature", file=sys.stderr)
@@ -160,13 +179,18 @@ def main(argv) -> int:
     rec = run(FLAGS.config, FLAGS.lad, [int(b) for b in FLAGS.budgets], FLAGS.sets,
               FLAGS.num_prompts, FLAGS.max_new_tokens, FLAGS.data_dir, FLAGS.ckpt,
               sampling=sampling, seed=FLAGS.seed, r2=FLAGS.r2,
-              node_costs=tuple(float(c) for c in FLAGS.node_costs))
+              node_costs=tuple(float(c) for c in FLAGS.node_costs),
+              suspend_below=FLAGS.suspend_below)
     mode = "greedy" if sampling.greedy else f"sampling ({sampling})"
+    if FLAGS.suspend_below is not None:
+        mode += f", suspend_below {FLAGS.suspend_below:g}"
     md = (f"# LoopAhead ablation: {rec['config']} (R = {rec['num_loops']}), {rec['prompts']} "
           f"prompts ({', '.join(rec['sets'])}), {rec['max_new_tokens']} new tokens, {mode}\n\n"
           + table(rec) + "\n")
     print(md)
     suffix = "" if sampling.greedy else f"_t{sampling.temperature:g}"
+    if FLAGS.suspend_below is not None:
+        suffix += f"_s{FLAGS.suspend_below:g}"
     out = FLAGS.out or os.path.join("benchmarks", "results",
                                     f"loopahead_ablation_{FLAGS.config}{suffix}.json")
     write_json(out, rec)

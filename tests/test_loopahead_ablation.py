@@ -61,3 +61,25 @@ def test_ablation_sampling(tmp_path):
     assert [(r["lad"], r["node_cost"], r["scheduling"]) for r in rows[:4]] == [
         (True, None, True), (True, None, False), (True, 0.2, True), (True, 0.2, False)]
     assert "sched_gain" in rows[2] and "LAD on (calibrated, node cost 0.2), scheduling on" in md
+
+
+def test_suspend_below_reaches_every_loopahead_row(capsys):
+    from benchmarks import loopahead_ablation as ab  # noqa: PLC0415
+    from lookahead_jax.engine import Engine  # noqa: PLC0415
+    if not os.path.isdir(LAD):
+        pytest.skip(f"no shipped drafter at {LAD}")
+    engine = Engine.from_preset("tiny_ouro", ckpt=os.path.join(REPO, "checkpoints", "tiny_ouro"))
+    for want, got in ((None, 1.0), (0.25, 0.25)):
+        methods = ab.ablation_methods(engine, LAD, 0, sampling=Sampling(0.7),
+                                      node_costs=(0.3,), suspend_below=want)
+        looped = [m for (label, *_), m in methods.items() if not label.startswith("LoopSpec")]
+        assert len(looped) == 6 and {m.suspend_below for m in looped} == {got}
+    ab.define_flags()
+    for argv, msg in ((["--suspend_below=0.1"], "applies to sampling"),
+                      (["--suspend_below=2", "--temperature=0.7"], "must lie in [0, 1]")):
+        ab.FLAGS(["ablation", f"--lad={LAD}", *argv])
+        try:
+            assert ab.main([]) == 2
+            assert msg in capsys.readouterr().err
+        finally:
+            ab.FLAGS.unparse_flags()

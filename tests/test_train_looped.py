@@ -254,6 +254,28 @@ def test_resumed_training_equals_an_uninterrupted_run(tmp_path):
     assert [r["step"] for r in logs if "loss" in r] == list(range(1, TRAIN.steps + 1))
 
 
+def test_more_steps_extend_a_finished_run_on_the_longer_schedule(tmp_path):
+    toks = _tokens()
+    done = train.train(build_looped(OURO, rngs=nnx.Rngs(0)), TRAIN, toks, tmp_path,
+                       progress=False)
+    again = train.train(build_looped(OURO, rngs=nnx.Rngs(0)), TRAIN, toks, tmp_path,
+                        progress=False)
+    assert again.step == done.step == TRAIN.steps  # the same command: nothing left to run
+    longer = dataclasses.replace(TRAIN, steps=TRAIN.steps + 3)
+    more = train.train(build_looped(OURO, rngs=nnx.Rngs(0)), longer, toks, tmp_path,
+                       progress=False)
+    assert more.step == more.total_steps == TRAIN.steps + 3
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(done.params), jax.tree.leaves(more.params)))
+    logs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["step"]: r["lr"] for r in logs if "lr" in r}
+    assert sorted(lrs) == list(range(1, TRAIN.steps + 4))  # logged at the step it ran
+    assert lrs[TRAIN.steps + 1] == pytest.approx(train.lr_at(TRAIN.steps, TRAIN.steps + 3, longer),
+                                                 abs=1e-6)
+    assert train.planned_total(TRAIN.steps, 0) == train.planned_total(TRAIN.steps, 2) == 6
+    assert train.planned_total(0, 4) == 4 and train.planned_total(6, 9) == 9
+
+
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
     cfg = train.TrainConfig(peak_lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
     assert train.lr_at(0, 100, cfg) == pytest.approx(0.1)

@@ -43,7 +43,8 @@ split, evaluated through the coda at every depth (cross-entropy, and top-1 agree
 teacher and with the full depth).
 
 Training saves an Orbax checkpoint to --workdir every few minutes and on Ctrl-C; running the
-same command again resumes. The export is the block's weights (bfloat16), the model config
+same command again resumes. --steps larger than the workdir's recorded step count extends the
+run (a finished one too), its learning-rate schedule becoming the longer run's. The export is the block's weights (bfloat16), the model config
 with the base model's name and sha256, and the training record (`models.recursive.save`).
 """
 
@@ -327,7 +328,7 @@ def train(cfg: DistillConfig, workdir: pathlib.Path, *, progress: bool = True,
     from lookahead_jax.store.checkpoint import load_model_and_tokenizer  # noqa: PLC0415
     from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
     from train_looped.train import (Checkpoints, TrainConfig, TrainState,  # noqa: PLC0415
-                                    lr_at, make_optimizer)
+                                    lr_at, make_optimizer, planned_total)
 
     teacher, tok, _ = load_model_and_tokenizer(load_preset(cfg.base))
     eos = separator_id(tok)
@@ -359,7 +360,7 @@ def train(cfg: DistillConfig, workdir: pathlib.Path, *, progress: bool = True,
     restored = ckpts.latest(state)
     if restored is not None:
         state = restored
-    total = state.total_steps or cfg.steps
+    total = planned_total(state.total_steps, cfg.steps)
     evaluate = functools.partial(evaluate_block, teacher, graphdef, cfg)
     log = open(workdir / "metrics.jsonl", "a")
     bar = None
@@ -473,7 +474,8 @@ def define_flags() -> None:
     flags.DEFINE_string("out", "checkpoints/smol_loop", "Export directory.")
     flags.DEFINE_string("workdir", None, "Orbax checkpoints, token caches and metrics.jsonl "
                         "(default $LOOKAHEAD_JAX_CACHE/distill/smol_loop).")
-    flags.DEFINE_integer("steps", None, "Optimizer steps (default: from --minutes).")
+    flags.DEFINE_integer("steps", None, "Optimizer steps (default: from --minutes; more than a "
+                         "workdir recorded: extends its run).")
     flags.DEFINE_float("minutes", None, "Wall-clock training budget (default 60).")
     flags.DEFINE_integer("batch_size", None, "Windows per step (default 8).")
     flags.DEFINE_integer("prelude_layers", None, "Teacher layers kept before the loop "

@@ -176,6 +176,13 @@ def _supervised_loss(logits, gate, labels, cfg):
 # Optimizer, schedule, data
 
 
+def planned_total(recorded: int, steps: int) -> int:
+    """The run's step count: the one a resumed workdir recorded (0: not chosen yet), or `steps`
+    where that is larger, which extends a run (also a finished one). The schedule is then the
+    longer run's: the learning rate goes back up to where `steps` steps would have it."""
+    return max(recorded, steps)
+
+
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     """Linear warmup to peak_lr over warmup_steps, then cosine decay to min_lr_ratio * peak."""
     if step < cfg.warmup_steps:
@@ -347,7 +354,7 @@ def train(model, cfg: TrainConfig, train_tokens: np.ndarray, workdir: str | os.P
     restored = ckpts.latest(state)
     if restored is not None:
         state = restored
-    total = state.total_steps or cfg.steps
+    total = planned_total(state.total_steps, cfg.steps)
     log = open(workdir / "metrics.jsonl", "a")
     bar = None
     if progress:
