@@ -44,8 +44,9 @@ teacher and with the full depth).
 
 Training saves an Orbax checkpoint to --workdir every few minutes and on Ctrl-C; running the
 same command again resumes. --steps larger than the workdir's recorded step count extends the
-run (a finished one too), its learning-rate schedule becoming the longer run's. The export is the block's weights (bfloat16), the model config
-with the base model's name and sha256, and the training record (`models.recursive.save`).
+run (a finished one too), its learning-rate schedule becoming the longer run's. The export is
+the block's weights (bfloat16), the model config with the base model's name and sha256, and the
+training record (`models.recursive.save`).
 """
 
 from __future__ import annotations
