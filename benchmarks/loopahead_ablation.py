@@ -33,7 +33,9 @@ from absl import app, flags
 
 from benchmarks.common import encoded_prompts, machine_info, markdown_table, write_json
 from benchmarks.looped_bench import measure_totals as measure
+from lookahead_jax.looped.loopahead import LoopAhead
 from lookahead_jax.sampling import Sampling
+from models.config import ConfigError
 
 FLAGS = flags.FLAGS
 
@@ -168,10 +170,12 @@ def main(argv) -> int:
         print("error: --suspend_below applies to sampling (greedy feedback runs only the "
               "argmax child): give a --temperature", file=sys.stderr)
         return 2
-    if FLAGS.suspend_below is not None and not 0 <= FLAGS.suspend_below <= 1:
-        print(f"error: --suspend_below must lie in [0, 1], got {FLAGS.suspend_below}",
-              file=sys.stderr)
-        return 2
+    if FLAGS.suspend_below is not None:
+        try:  # LoopAhead's own check, before minutes of plain decoding
+            LoopAhead(sampling, suspend_below=FLAGS.suspend_below)
+        except ConfigError as e:
+            print(f"error: --suspend_below: {e}", file=sys.stderr)
+            return 2
     if FLAGS.node_costs and sampling.greedy:
         print("error: --node_costs (calibrated retention) applies to sampling: give a "
               "--temperature", file=sys.stderr)

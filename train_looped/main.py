@@ -7,7 +7,9 @@ trains with a progress bar (per-loop loss), saving an Orbax checkpoint to --work
 minutes and on Ctrl-C; running the same command again resumes from the latest one. At the end
 the parameters, config and tokenizer are exported to --out (`train_looped.export`).
 --steps=0 --minutes=M chooses the step count from a wall-clock budget after timing the first
-steps (and stores it in the checkpoint, so a resumed run keeps the schedule).
+steps (and stores it in the checkpoint, so a resumed run keeps the schedule). A --steps larger
+than the checkpoint's step count extends the run, a finished one too, on the longer run's
+schedule (`train.planned_total`): resume a --steps=0 run with --steps=0, not the model's default.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def define_flags() -> None:
     flags.DEFINE_string("workdir", None, "Orbax checkpoints and metrics.jsonl (default "
                         "$LOOKAHEAD_JAX_CACHE/train_looped/<model>).")
     flags.DEFINE_integer("steps", None, "Total optimizer steps (default: the model's; 0: from "
-                         "--minutes).")
+                         "--minutes; more than a workdir recorded: extends its run).")
     flags.DEFINE_float("minutes", None, "Wall-clock budget used to choose --steps=0.")
     flags.DEFINE_integer("batch_size", None, "Sequences per step (default: the model's).")
     flags.DEFINE_integer("seq_len", None, "Tokens per sequence (default: the model's).")
