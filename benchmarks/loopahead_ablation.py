@@ -7,9 +7,9 @@ budgets (nodes advanced per step), beside plain decoding and LoopSpec at the sam
 `--r2` sets the feedback depth (default 2 r1). Greedy by default; `--temperature=0.7` (top-k /
 top-p as the CLI's) samples instead, and `--node_costs=0.1,0.3` adds the drafter with
 calibrated retention (`retain="calibrated"`, one pair of rows per node cost), and
-`--suspend_below=0.1` sets LoopAhead's sampling suspension threshold (a child the feedback
-readout gives at least that chance of acceptance keeps running beside the likeliest; default
-the method's 1: only the likeliest runs). Per
+`--suspend_below=1` sets LoopAhead's sampling suspension threshold (a child the feedback
+readout gives at least that chance of acceptance keeps running beside the likeliest; 1: only
+the likeliest runs; default the method's 0: no child pauses). Per
 budget and method, over the prompts of each data set: shared-block calls (loops)
 per output token relative to plain decoding's R, candidate advances per token, the share of
 all advances spent on nodes that verification discarded, the share of discarded nodes that had
@@ -63,7 +63,8 @@ def define_flags() -> None:
                        "child given at least this chance keeps running (default: the method's).")
     flags.DEFINE_string("data_dir", None, "Prompt sets (default ../shared/data).")
     flags.DEFINE_string("out", None, "JSON output (default benchmarks/results/"
-                        "loopahead_ablation_<config>.json).")
+                        "loopahead_ablation_<config>.json; sampling: "
+                        "loopahead_ablation_<config>_t<T>_s<S>.json).")
 
 
 def ablation_methods(engine, lad: str, budget: int, loopspec: bool = True,
@@ -142,7 +143,8 @@ def run(config: str, lad: str, budgets: list[int], sets: list[str], num_prompts:
     return {"config": config, "checkpoint": ckpt, "lad": lad, "num_loops": r_full,
             "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k,
                          "top_p": sampling.top_p, "seed": seed},
-            "suspend_below": suspend_below,
+            "suspend_below": None if sampling.greedy else (
+                LoopAhead(sampling).suspend_below if suspend_below is None else suspend_below),
             "sets": sets, "num_prompts": num_prompts, "max_new_tokens": new,
             "prompts": len(prompts), "machine": machine_info(), "rows": rows}
 
@@ -159,6 +161,15 @@ def table(rec: dict) -> str:
              "n/a (sampling)" if r["exact"] is None else r["exact"],
              f"{r['cpu_speedup']:.2f}x"] for r in rec["rows"]]
     return markdown_table(head, body)
+
+
+def result_name(rec: dict) -> str:
+    """loopahead_ablation_<config>, and when sampling _t<T>_s<S> (S: LoopAhead's suspension
+    threshold, given or the method's default)."""
+    name = f"loopahead_ablation_{rec['config']}"
+    if rec["suspend_below"] is not None:  # sampling
+        name += f"_t{rec['sampling']['temperature']:g}_s{rec['suspend_below']:g}"
+    return name
 
 
 def main(argv) -> int:
@@ -186,17 +197,13 @@ def main(argv) -> int:
               node_costs=tuple(float(c) for c in FLAGS.node_costs),
               suspend_below=FLAGS.suspend_below)
     mode = "greedy" if sampling.greedy else f"sampling ({sampling})"
-    if FLAGS.suspend_below is not None:
-        mode += f", suspend_below {FLAGS.suspend_below:g}"
+    if rec["suspend_below"] is not None:
+        mode += f", suspend_below {rec['suspend_below']:g}"
     md = (f"# LoopAhead ablation: {rec['config']} (R = {rec['num_loops']}), {rec['prompts']} "
           f"prompts ({', '.join(rec['sets'])}), {rec['max_new_tokens']} new tokens, {mode}\n\n"
           + table(rec) + "\n")
     print(md)
-    suffix = "" if sampling.greedy else f"_t{sampling.temperature:g}"
-    if FLAGS.suspend_below is not None:
-        suffix += f"_s{FLAGS.suspend_below:g}"
-    out = FLAGS.out or os.path.join("benchmarks", "results",
-                                    f"loopahead_ablation_{FLAGS.config}{suffix}.json")
+    out = FLAGS.out or os.path.join("benchmarks", "results", result_name(rec) + ".json")
     write_json(out, rec)
     with open(os.path.splitext(out)[0] + ".md", "w", encoding="utf-8") as f:
         f.write(md)

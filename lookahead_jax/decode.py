@@ -92,6 +92,10 @@ class Options:
                                ("all", "calibrated"))
     node_cost: float | None = _flag(None, "--method=loopahead --retain=calibrated: a tree "
                                     "node's execution cost in expected tokens (default 0.1).")
+    suspend_below: float | None = _flag(None, "--method=loopahead, sampling: a child the "
+                                        "feedback readout gives at least this chance keeps "
+                                        "running (default 0: none pauses; 1: only the "
+                                        "likeliest runs, fewer advances).")
     pl_tokens: int | None = _flag(None, "--method=prompt_lookup: draft tokens per step, at most "
                                   "(default: 10).")
     pl_ngram: int | None = _flag(None, "--method=prompt_lookup: longest suffix searched for "
@@ -186,6 +190,7 @@ def build_cli_method(opts: Options, preset, sampling: Sampling, model_config=Non
                     pl_tokens=opts.pl_tokens, pl_ngram=opts.pl_ngram, lad=opts.lad,
                     max_active=opts.max_active, lad_calls=opts.lad_calls,
                     retain=opts.retain, node_cost=opts.node_cost,
+                    suspend_below=opts.suspend_below,
                     attention=opts.attention, devices=devices)
     if name == "lookahead":
         settings["lookahead"] = preset.lookahead

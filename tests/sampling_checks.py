@@ -553,9 +553,9 @@ class StaleLoopAhead(LoopAhead):
 
     stale: Any = True
 
-    def _feedback_sampling(self, tree, paused, probs, at_r2, has_kid, key):
-        new_tree, new_paused = super()._feedback_sampling(tree, paused, probs, at_r2, has_kid,
-                                                          key)
+    def _feedback_sampling(self, tree, paused, probs, reads, at_r2, has_kid, key):
+        new_tree, new_paused = super()._feedback_sampling(tree, paused, probs, reads, at_r2,
+                                                          has_kid, key)
         now = new_paused & ~paused & tree.valid & self.stale  # [B, C] paused in this step
         b = tree.valid.shape[0]
         parent_probs = probs[jnp.arange(b)[:, None], jnp.maximum(tree.parent, 0)]  # [B, C, V]

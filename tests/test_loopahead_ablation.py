@@ -46,12 +46,16 @@ def test_ablation_table(tmp_path):
     assert on["sched_gain"] == pytest.approx(off["loops_vs_plain"] / on["loops_vs_plain"])
     md = ab.table(rec)
     assert "| 4 | LAD on, scheduling on |" in md and "| n/a | LoopSpec" in md
+    assert rec["suspend_below"] is None and ab.result_name(rec) == "loopahead_ablation_tiny_ouro"
 
 
 def test_ablation_sampling(tmp_path):
     from benchmarks import loopahead_ablation as ab  # noqa: PLC0415
     rec = _run(tmp_path, [0], sampling=Sampling(1.0), seed=3, node_costs=(0.2,))
     assert rec["sampling"] == {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 3}
+    # the method's default threshold (no child pauses), recorded and in the file's name
+    assert rec["suspend_below"] == 0.0
+    assert ab.result_name(rec) == "loopahead_ablation_tiny_ouro_t1_s0"
     rows = rec["rows"]
     assert all(r["exact"] is None and 0 <= r["acceptance"] <= 1 for r in rows)
     assert any(r["acceptance"] > 0 for r in rows)
@@ -69,7 +73,7 @@ def test_suspend_below_reaches_every_loopahead_row(capsys):
     if not os.path.isdir(LAD):
         pytest.skip(f"no shipped drafter at {LAD}")
     engine = Engine.from_preset("tiny_ouro", ckpt=os.path.join(REPO, "checkpoints", "tiny_ouro"))
-    for want, got in ((None, 1.0), (0.25, 0.25)):
+    for want, got in ((None, 0.0), (0.25, 0.25)):
         methods = ab.ablation_methods(engine, LAD, 0, sampling=Sampling(0.7),
                                       node_costs=(0.3,), suspend_below=want)
         looped = [m for (label, *_), m in methods.items() if not label.startswith("LoopSpec")]

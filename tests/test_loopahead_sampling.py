@@ -53,18 +53,22 @@ def table_drafter(exact_probs) -> AnchorTableDrafter:
 @pytest.fixture(scope="module")
 def draw(small_model, drafter):
     @functools.lru_cache(maxsize=None)
-    def get(sampling, use_drafter=True, scheduling=True, verifier=verify_drafts):
+    def get(sampling, use_drafter=True, scheduling=True, verifier=verify_drafts,
+            suspend_below=0.0):
         return sample_many(small_model, LoopAhead(
             sampling, r1=1, r2=2, drafter=drafter if use_drafter else None,
-            scheduling=scheduling, window=8, verifier=verifier))
+            scheduling=scheduling, window=8, verifier=verifier, suspend_below=suspend_below))
     return get
 
 
-@pytest.mark.parametrize("name,use_drafter,scheduling",
-                         [("t1", True, True), ("topk4", False, True), ("t1", True, False)],
-                         ids=["t1", "topk4_nodrafter", "t1_noscheduling"])
-def test_sampling_is_exact(name, use_drafter, scheduling, draw, exact_probs):
-    tokens, stats = draw(SETTINGS[name], use_drafter, scheduling)
+# the default (no child paused when sampling), and with suspension: only the likeliest child
+# of an r2 readout runs (suspend_below=1, the greedy rule's counterpart)
+@pytest.mark.parametrize("name,use_drafter,scheduling,suspend_below",
+                         [("t1", True, True, 0.0), ("topk4", False, True, 1.0),
+                          ("t1", True, False, 0.0)],
+                         ids=["t1", "topk4_nodrafter_suspending", "t1_noscheduling"])
+def test_sampling_is_exact(name, use_drafter, scheduling, suspend_below, draw, exact_probs):
+    tokens, stats = draw(SETTINGS[name], use_drafter, scheduling, suspend_below=suspend_below)
     p, outside = check(exact_probs(SETTINGS[name]), tokens, name, stats)
     assert outside == 0
     assert p > ALPHA, f"{name}: chi-square p = {p:.3g}"

@@ -173,3 +173,27 @@ def test_cli_calibrated_retention(depth2_drafter, tmp_path):
     assert code == 2 and "needs a drafter with a calibration" in err
     code, err = run(lad=shipped, retain="calibrated")
     assert code == 2 and "greedy decoding keeps every drafted token" in err
+
+
+def test_cli_suspend_below(depth2_drafter, tmp_path):
+    """--suspend_below reaches LoopAhead when sampling (default 0: no child pauses); greedy
+    decoding and a threshold outside [0, 1] are refused clearly."""
+    from lookahead_jax import decode  # noqa: PLC0415
+    out = tmp_path / "run.json"
+
+    def run(**kw):
+        err = io.StringIO()
+        code = decode.run(decode.Options(config="tiny_raven", method="loopahead",
+                                         lad=depth2_drafter, prompt="What is a list?",
+                                         max_new_tokens=6, json_out=str(out), **kw),
+                          stdin=io.StringIO(""), stdout=io.StringIO(), stderr=err)
+        return code, err.getvalue()
+
+    for given, want in ((None, 0.0), (1.0, 1.0)):
+        code, _ = run(temperature=0.7, suspend_below=given)
+        assert code == 0
+        assert json.loads(out.read_text())["results"][0]["stats"]["extra"]["suspend_below"] == want
+    code, err = run(suspend_below=1.0)
+    assert code == 2 and "suspend_below applies when sampling" in err
+    code, err = run(temperature=0.7, suspend_below=1.5)
+    assert code == 2 and "must lie in [0, 1]" in err

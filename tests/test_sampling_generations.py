@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Callable
 
 import numpy as np
@@ -33,9 +34,9 @@ from lookahead_jax.looped.loopahead import LoopAhead
 from lookahead_jax.looped.loopspec import LoopSpec
 from lookahead_jax.prompt_lookup import PromptLookup
 from lookahead_jax.sampling import Sampling
-from sampling_checks import (SETTINGS, V, Fault, after_verification, at_step, at_verification,
-                             cascade, exact_checks, from_step, markov_llama, markov_logits,
-                             markov_ouro, next_rows_candidate, next_rows_draft,
+from sampling_checks import (SETTINGS, V, Fault, StaleLoopAhead, after_verification, at_step,
+                             at_verification, cascade, exact_checks, from_step, markov_llama,
+                             markov_logits, markov_ouro, next_rows_candidate, next_rows_draft,
                              next_token_logits, planted, power, prompts, report, sampling,
                              single_device, threshold, transition, two_sample_checks, worst,
                              wrong_verdict)
@@ -111,8 +112,10 @@ SPECS = {
     "loopspec": Spec(
         lambda s: LoopSpec(s, d1=1, d2=2),
         "ouro", 3000, 8, 0.2, lambda: _looped_faults()),
+    # suspending (only the likeliest child of a feedback readout runs; by default none
+    # pauses when sampling): whole generations with suspended branches, and the stale-q fault
     "loopahead": Spec(
-        lambda s: LoopAhead(s, r1=1, r2=2, drafter=DRAFTER, window=8),
+        lambda s: LoopAhead(s, r1=1, r2=2, drafter=DRAFTER, window=8, suspend_below=1.0),
         "ouro", 3000, 8, 0.2, lambda: _looped_faults(stale=True)),
 }
 
@@ -239,6 +242,16 @@ def test_planted_faults_of_later_steps_are_caught(name, engines, real_runs, exac
         if w.p >= alpha:
             missed.append(fault)
     assert not missed, f"{name}: not caught: {missed}"
+
+
+def test_the_stale_branch_fault_overrides_the_real_feedback():
+    """`StaleLoopAhead` (the planted stale-q fault, whose test above is slow) overrides
+    LoopAhead's sampling feedback with the same parameters, so a change to the real method's
+    signature fails here, in CI, rather than only in the slow run."""
+    def names(fn):
+        return list(inspect.signature(fn).parameters)
+
+    assert names(StaleLoopAhead._feedback_sampling) == names(LoopAhead._feedback_sampling)
 
 
 TWO_SAMPLE_ROWS = 6000
