@@ -85,7 +85,7 @@ FAMILY_ALPHA = 0.01
 # every run of a real implementation checked against the threshold: the family of tests
 SETTINGS = ("t1", "t1.5_topk2", "t1_topp0.95")
 EXACT_METHODS = ("lookahead", "lookahead_unseeded", "prompt_lookup", "parallel", "loopspec",
-                 "loopahead")
+                 "loopahead", "loopahead_suspending")
 TWO_SAMPLE = ("lookahead_vs_plain/t1", "prompt_lookup_vs_plain/t1")
 FAMILY = tuple(f"{m}/{s}" for m in EXACT_METHODS for s in SETTINGS) + TWO_SAMPLE
 

@@ -112,9 +112,12 @@ SPECS = {
     "loopspec": Spec(
         lambda s: LoopSpec(s, d1=1, d2=2),
         "ouro", 3000, 8, 0.2, lambda: _looped_faults()),
-    # suspending (only the likeliest child of a feedback readout runs; by default none
-    # pauses when sampling): whole generations with suspended branches, and the stale-q fault
+    # by default no child pauses when sampling; suspending (only the likeliest child of a
+    # feedback readout runs): whole generations with suspended branches, and the stale-q fault
     "loopahead": Spec(
+        lambda s: LoopAhead(s, r1=1, r2=2, drafter=DRAFTER, window=8),
+        "ouro", 3000, 8, 0.2, lambda: _looped_faults()),
+    "loopahead_suspending": Spec(
         lambda s: LoopAhead(s, r1=1, r2=2, drafter=DRAFTER, window=8, suspend_below=1.0),
         "ouro", 3000, 8, 0.2, lambda: _looped_faults(stale=True)),
 }
@@ -217,8 +220,9 @@ def test_whole_generations_follow_the_exact_distribution(name, setting, real_run
 
 # LoopAhead's planted faults are slow (CI's time: its generations are the longest to compile);
 # wrong acceptance rules in LoopAhead are caught in CI by test_loopahead_sampling
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n == "loopahead"
-                                               else []) for n in SPECS])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow]
+                                               if n.startswith("loopahead") else [])
+                                  for n in SPECS])
 def test_planted_faults_of_later_steps_are_caught(name, engines, real_runs, exact):
     """Each planted fault fails the checks (p below the family threshold); the planted
     program with no fault gives the real method's tokens."""
