@@ -7,6 +7,7 @@ their turns."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -98,7 +99,6 @@ def test_init_block_copies_and_scales(teacher):
 def test_resuming_checks_the_recorded_settings():
     """A workdir's run.json config: other settings are named, the time budget is not, and a
     run recorded before a setting existed resumes as if it had the default."""
-    import json  # noqa: PLC0415
     old = json.loads(json.dumps(dataclasses.asdict(CFG)))
     assert distill.changed_settings(old, dataclasses.replace(CFG, minutes=5, steps=9)) == []
     assert distill.changed_settings(old, dataclasses.replace(CFG, peak_lr=1e-3)) == ["peak_lr"]
@@ -211,3 +211,76 @@ def test_student_states_are_the_recursive_models(teacher):
     got, _ = model.loop_logits(tokens, pos)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
     assert jax.tree.leaves(got)[0].shape[0] == cfg.num_loops
+
+
+def test_onpolicy_settings_validated():
+    with pytest.raises(ValueError, match="onpolicy_share needs init_from"):
+        dataclasses.replace(CFG, onpolicy_share=0.5)
+    with pytest.raises(ValueError, match=r"onpolicy_share must be in \[0, 1\)"):
+        dataclasses.replace(CFG, init_from="x", onpolicy_share=1.0)
+    old = json.loads(json.dumps(dataclasses.asdict(CFG)))
+    older = {k: v for k, v in old.items() if not k.startswith(("onpolicy", "init_from"))}
+    assert distill.changed_settings(older, CFG) == []
+    assert distill.changed_settings(
+        older, dataclasses.replace(CFG, init_from="x", onpolicy_share=0.5)) == [
+        "init_from", "onpolicy_share"]
+
+
+def _streams(n=200):
+    """Each source's stream holds only its own index (onpolicy: 9), so a row names its source."""
+    streams = {s: np.full(n, i, np.int32) for i, s in enumerate(distill.SOURCES)}
+    return {**streams, "onpolicy": np.full(n, 9, np.int32)}
+
+
+def test_batches_draw_the_onpolicy_share_from_its_stream():
+    cfg = dataclasses.replace(CFG, batch_size=8, init_from="x", onpolicy_share=0.5)
+    assert distill.onpolicy_rows(cfg) == 4
+    for step in range(5):
+        rows = distill.batch_at(_streams(), cfg, step)
+        assert rows.shape == (8, cfg.seq_len + 1)
+        assert (rows[4:] == 9).all() and (rows[:4] < len(distill.SOURCES)).all()
+        np.testing.assert_array_equal(rows, distill.batch_at(_streams(), cfg, step))
+    plain = dataclasses.replace(cfg, init_from="", onpolicy_share=0.0)
+    rows = np.stack([distill.batch_at(_streams(), plain, s) for s in range(20)])
+    assert (rows < len(distill.SOURCES)).all()  # no on-policy row without the share
+    # without the share a batch is drawn as before the option existed: the mixture's first
+    # choice, then one offset per row, from the generator of (seed, step)
+    rng = np.random.default_rng([plain.seed, 3])
+    picks = rng.choice(len(distill.SOURCES), size=plain.batch_size, p=plain.mixture)
+    np.testing.assert_array_equal(distill.batch_at(_streams(), plain, 3)[:, 0], picks)
+
+
+def test_init_from_checks_the_layout():
+    shipped = {"prelude_layers": 14, "core_layers": 1, "num_loops": 2,
+               "base_model": {"layers": {"replaced_by_the_block": [14, 15]}}}
+    r2 = dataclasses.replace(CFG, prelude_layers=14, replaced_layers=2, core_layers=1,
+                             num_loops=2)
+    assert distill.layout_mismatch(shipped, r2) == []
+    bad = distill.layout_mismatch(shipped, dataclasses.replace(r2, replaced_layers=4))
+    assert bad == ["replaced layers [14, 15] (this run: [14, 17])"]
+    with pytest.raises(FileNotFoundError, match="no exported model"):
+        distill.start_block(dataclasses.replace(r2, init_from="/nonexistent/model"))
+
+
+def test_init_from_loads_the_shipped_block():
+    """--init_from=checkpoints/smol_loop_r2 starts from exactly the shipped layer (float32)."""
+    import pathlib  # noqa: PLC0415
+    ckpt = pathlib.Path(__file__).parent.parent / "checkpoints" / "smol_loop_r2"
+    r2 = dataclasses.replace(CFG, prelude_layers=14, replaced_layers=2, core_layers=1,
+                             num_loops=2, init_from=str(ckpt))
+    from lookahead_jax.store.model_store import smollm2_gguf  # noqa: PLC0415
+    from models.config import ConfigError  # noqa: PLC0415
+    try:
+        smollm2_gguf(download=False)
+    except ConfigError as e:
+        pytest.skip(f"SmolLM2 not available ({e})")
+    from lookahead_jax.engine import Engine  # noqa: PLC0415
+    engine = Engine.from_preset("smol_loop_r2")
+    got = distill.start_block(r2)
+    want = nnx.state(nnx.merge(engine.graphdef, engine.params).core_block, nnx.Param)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == jnp.float32
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="another layout: num_loops 2 "):
+        distill.start_block(dataclasses.replace(r2, num_loops=1, replaced_layers=2,
+                                                loop_weights=(1.0,)))

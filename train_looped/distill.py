@@ -42,6 +42,12 @@ by (seed, step) from the sources in the proportions `mixture`. Held-out: the cor
 split, evaluated through the coda at every depth (cross-entropy, and top-1 agreement with the
 teacher and with the full depth).
 
+On-policy data: --init_from=<an exported model of the same layout> starts the block from that
+model's, and --onpolicy_share=S (with it) draws round(S * batch_size) rows of every batch from
+that model's own greedy answers to --onpolicy_prompts prompts of no benchmark set
+(`train_looped.onpolicy`, built into the workdir on first use), so the KL corrects the student
+where its greedy decoding goes rather than only on text people wrote.
+
 Training saves an Orbax checkpoint to --workdir every few minutes and on Ctrl-C; running the
 same command again resumes. --steps larger than the workdir's recorded step count extends the
 run (a finished one too), its learning-rate schedule becoming the longer run's. The export is
@@ -91,6 +97,9 @@ class DistillConfig:
     seed: int = 0
     save_every_minutes: float = 10.0
     eval_rows: int = 24
+    init_from: str = ""                # an exported block of the same layout to start from
+    onpolicy_share: float = 0.0        # > 0: this share of each batch on-policy
+    onpolicy_prompts: int = 400        # its prompts (answered greedily by the init_from model)
 
     def __post_init__(self):
         if self.replaced_layers % self.num_loops:
@@ -106,6 +115,11 @@ class DistillConfig:
             raise ValueError("kl_every_depth needs kl_weight > 0")
         if len(self.mixture) != len(SOURCES) or abs(sum(self.mixture) - 1) > 1e-6:
             raise ValueError(f"mixture: {len(SOURCES)} shares summing to 1 ({SOURCES})")
+        if not 0 <= self.onpolicy_share < 1:
+            raise ValueError(f"onpolicy_share must be in [0, 1), got {self.onpolicy_share}")
+        if self.onpolicy_share and not self.init_from:
+            raise ValueError("onpolicy_share needs init_from: the on-policy answers are that "
+                             "model's")
 
     @property
     def teacher_depths(self) -> list[int]:
@@ -167,13 +181,22 @@ def prepare_data(tok, split: str, cfg: DistillConfig, cache: pathlib.Path, eos_i
     return {s: np.load(p) for s, p in paths.items()}
 
 
+def onpolicy_rows(cfg: DistillConfig) -> int:
+    """Rows of each batch drawn from the on-policy stream: onpolicy_share of them, rounded."""
+    return int(round(cfg.onpolicy_share * cfg.batch_size))
+
+
 def batch_at(streams: dict, cfg: DistillConfig, step: int):
-    """[B, T+1] int32 windows fixed by (seed, step): each row's source drawn by `mixture`."""
+    """[B, T+1] int32 windows fixed by (seed, step): each row's source drawn by `mixture`, the
+    last `onpolicy_rows` rows from streams["onpolicy"]."""
     import numpy as np  # noqa: PLC0415
     rng = np.random.default_rng([cfg.seed, step])
+    n_on = onpolicy_rows(cfg)
+    picks = [SOURCES[s] for s in rng.choice(len(SOURCES), size=cfg.batch_size - n_on,
+                                            p=cfg.mixture)]
     rows = []
-    for s in rng.choice(len(SOURCES), size=cfg.batch_size, p=cfg.mixture):
-        toks = streams[SOURCES[s]]
+    for s in picks + ["onpolicy"] * n_on:
+        toks = streams[s]
         start = rng.integers(0, toks.size - cfg.seq_len - 1)
         rows.append(toks[start:start + cfg.seq_len + 1])
     return np.stack(rows).astype(np.int32)
@@ -251,6 +274,49 @@ def state_loss(student, target, scale, weights):
     import jax.numpy as jnp  # noqa: PLC0415
     err = jnp.mean(jnp.square((student - target) / scale[:, None, None, :]), axis=(1, 2, 3))
     return jnp.sum(jnp.asarray(weights) * err), err
+
+
+def layout_mismatch(config: dict, cfg: DistillConfig) -> list[str]:
+    """How an exported model's config.json differs from cfg's layout (empty: the same)."""
+    replaced = config.get("base_model", {}).get("layers", {}).get("replaced_by_the_block")
+    have = {"prelude_layers": config.get("prelude_layers"),
+            "core_layers": config.get("core_layers"), "num_loops": config.get("num_loops"),
+            "replaced layers": replaced}
+    want = {"prelude_layers": cfg.prelude_layers, "core_layers": cfg.core_layers,
+            "num_loops": cfg.num_loops,
+            "replaced layers": [cfg.prelude_layers, cfg.prelude_layers + cfg.replaced_layers - 1]}
+    return [f"{k} {have[k]} (this run: {want[k]})" for k in want if have[k] != want[k]]
+
+
+def start_block(cfg: DistillConfig):
+    """The Param state (float32) of the block exported in cfg.init_from, whose layout must be
+    cfg's."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from lookahead_jax.store.checkpoint import load_model_and_tokenizer  # noqa: PLC0415
+    from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
+    path = pathlib.Path(cfg.init_from)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"init_from: no exported model at {path}")
+    bad = layout_mismatch(json.loads((path / "config.json").read_text()), cfg)
+    if bad:
+        raise ValueError(f"init_from {path} has another layout: {'; '.join(bad)}")
+    model, _, _ = load_model_and_tokenizer(load_preset("hf"), path, "float32")
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32),
+                        nnx.state(model.core_block, nnx.Param))
+
+
+def onpolicy_stream(cfg: DistillConfig, data: pathlib.Path):
+    """The on-policy token stream (`train_looped.onpolicy`) of cfg.init_from's model, built into
+    `data` on first use."""
+    import numpy as np  # noqa: PLC0415
+    from train_looped import onpolicy  # noqa: PLC0415
+    if not (data / "onpolicy.npy").exists():
+        onpolicy.build(cfg.init_from, data, prompts=cfg.onpolicy_prompts, seed=cfg.seed,
+                       log=lambda m: logging.warning("onpolicy: %s", m))
+    return np.load(data / "onpolicy.npy")
 
 
 def init_block(teacher, cfg: DistillConfig):
@@ -340,7 +406,11 @@ def train(cfg: DistillConfig, workdir: pathlib.Path, *, progress: bool = True,
                           min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay,
                           grad_clip=cfg.grad_clip, seed=cfg.seed)
     tx = make_optimizer(opt_cfg)
+    if cfg.onpolicy_share:
+        train_streams["onpolicy"] = onpolicy_stream(cfg, workdir / "data")
     block = init_block(teacher, cfg)
+    if cfg.init_from:
+        nnx.update(block, start_block(cfg))
     graphdef, params = nnx.split(block, nnx.Param)
     depths = cfg.teacher_depths
 
@@ -492,13 +562,18 @@ def define_flags() -> None:
                       "after the same share of the replaced layers (default: the last loop).")
     flags.DEFINE_float("kl_weight", None, "Weight of KL(teacher || student) of the last loop's "
                        "output through the coda (default 0: hidden states only).")
+    flags.DEFINE_string("init_from", None, "An exported model of the same layout whose block "
+                        "the run starts from (default: a copy of the replaced layers).")
+    flags.DEFINE_float("onpolicy_share", None, "Share of each batch from the --init_from "
+                       "model's own greedy answers (`train_looped.onpolicy`; default 0).")
+    flags.DEFINE_integer("onpolicy_prompts", None, "Prompts of the on-policy data (default 400).")
     flags.DEFINE_integer("max_steps_this_run", None, "Stop after this many steps (resumable).")
     flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
 
 FLAG_FIELDS = ("steps", "minutes", "batch_size", "prelude_layers", "replaced_layers",
                "core_layers", "num_loops", "out_scale", "loop_weights", "peak_lr", "kl_weight",
-               "kl_every_depth")
+               "kl_every_depth", "init_from", "onpolicy_share", "onpolicy_prompts")
 
 
 def config_from_flags(values: dict) -> DistillConfig:
@@ -606,6 +681,13 @@ def export(cfg: DistillConfig, state, workdir: pathlib.Path, out: pathlib.Path) 
                           "heldout": manifest["heldout"]["sha256"]},
         "heldout": table,
     }
+    if cfg.init_from:  # where the run started: that model's own training record
+        start = json.loads((pathlib.Path(cfg.init_from) / "config.json").read_text())
+        training["init_from_training"] = {k: start.get("training", {}).get(k) for k in
+                                          ("recipe", "config", "steps", "tokens_seen",
+                                           "train_seconds", "heldout")}
+    if cfg.onpolicy_share:
+        training["onpolicy"] = json.loads((workdir / "data" / "onpolicy.json").read_text())
     base = {"name": "SmolLM2-135M-Instruct", "store": "smollm2", "file": gguf.name,
             "sha256": file_sha256(gguf),
             "layers": {"prelude": [0, cfg.prelude_layers - 1],

@@ -1,0 +1,189 @@
+"""On-policy chat data for `train_looped.distill`: a student's own greedy answers.
+
+    python -m train_looped.onpolicy --student=checkpoints/smol_loop_r2 --out=/tmp/onpolicy
+        [--prompts=400] [--max_new_tokens=128] [--batch_size=25] [--seed=0]
+
+The corpus holds text people wrote; a distilled looped model is judged on its own greedy text,
+and a model a few hundredths of a nat behind its teacher can still fall into a loop there that
+the teacher would have left (#21's yardstick, `benchmarks.degeneracy`). Distilling on the
+student's own outputs puts the teacher's correction where the student's greedy decoding goes
+(on-policy distillation, as in GKD). `distill --onpolicy_share` builds this data with the
+model it starts from (`--init_from`) and mixes it into every batch.
+
+Prompts (none from a benchmark set; every choice fixed by --seed):
+- `gsm8k`: GSM8K *train* questions of the corpus's train split, through the chat template;
+- `pyfaq`: the Python FAQ questions of the train split, through the chat template;
+- `asked`: questions SmolLM2 itself asks: its chat template's user turn opened and sampled at
+  temperature 1 (at most 48 tokens, kept when it ended the turn and has at least 4 words);
+- `code`: the header and docstring of a top-level function of the train split's standard
+  library files, as raw text (as HumanEval and ClassEval are encoded);
+- `write`: "Write a Python function `name(args)`: <the docstring's first line>" as a chat.
+
+Each prompt's document is the prompt's ids followed by the student's greedy ids (plain
+decoding, up to --max_new_tokens, its EOS kept); documents are joined by <|endoftext|>. Writes
+`onpolicy.npy` (the int32 stream), `onpolicy.jsonl` (every prompt and answer as text) and
+`onpolicy.json` (the record: counts per kind, tokens, seconds, the student).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import sys
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+
+# shares of the prompts, in this order
+KINDS = (("gsm8k", 0.25), ("pyfaq", 0.1), ("asked", 0.35), ("code", 0.15), ("write", 0.15))
+QUESTION_TOKENS = 48
+MIN_QUESTION_WORDS = 4
+PLACEHOLDER = "\x00QUESTION\x00"
+
+_HEADER = re.compile(r'^def (\w+)\(([^)]*)\)( -> [^:\n]+)?:\n( +)"""(.+?)"""\n',
+                     re.MULTILINE | re.DOTALL)
+
+
+def kind_counts(total: int) -> dict[str, int]:
+    """Prompts per kind for `total` prompts: KINDS' shares, the rounding left to `asked`."""
+    if total < len(KINDS):
+        raise ValueError(f"at least {len(KINDS)} prompts (one per kind), got {total}")
+    counts = {k: max(1, int(total * share)) for k, share in KINDS}
+    counts["asked"] += total - sum(counts.values())
+    return counts
+
+
+def function_headers(text: str, max_doc_chars: int = 600) -> list[tuple[str, str, str]]:
+    """(name, signature, header with docstring) of the top-level, public functions of a Python
+    source whose docstring is at most max_doc_chars long and not empty."""
+    out = []
+    for m in _HEADER.finditer(text):
+        name, args, doc = m.group(1), m.group(2), m.group(5)
+        if name.startswith("_") or not doc.strip() or len(doc) > max_doc_chars:
+            continue
+        out.append((name, f"{name}({' '.join(args.split())})", m.group(0)))
+    return out
+
+
+def first_line(docstring_header: str) -> str:
+    """The first non-empty line of the docstring in a header from `function_headers`."""
+    doc = docstring_header.split('"""')[1]
+    return next((line.strip() for line in doc.splitlines() if line.strip()), "")
+
+
+def question_prefix(tok) -> list[int]:
+    """Ids of the chat template up to where the user's question begins."""
+    rendered = tok.apply_chat_template([{"role": "user", "content": PLACEHOLDER}],
+                                       tokenize=False)
+    if PLACEHOLDER not in rendered:
+        raise ValueError("the chat template does not show the user's message")
+    return list(tok.encode(rendered.split(PLACEHOLDER)[0], add_special_tokens=False))
+
+
+def corpus_prompts(docs, counts: dict[str, int], rng) -> list[tuple[str, str, bool]]:
+    """(kind, text, chat) prompts of the corpus documents `docs` for every kind but `asked`."""
+    from train_looped.distill import chat_messages  # noqa: PLC0415
+    out = []
+    for kind in ("gsm8k", "pyfaq"):
+        mine = [d for d in docs if d.source == kind]
+        for i in rng.permutation(len(mine))[:counts[kind]]:
+            out.append((kind, chat_messages(mine[i].text)[0]["content"], True))
+    headers = [h for d in docs if d.source == "stdlib" for h in function_headers(d.text)]
+    order = rng.permutation(len(headers))
+    for i in order[:counts["code"]]:
+        out.append(("code", headers[i][2], False))
+    for i in order[counts["code"]:counts["code"] + counts["write"]]:
+        name_sig, header = headers[i][1], headers[i][2]
+        out.append(("write", f"Write a Python function `{name_sig}`: {first_line(header)}",
+                    True))
+    return out
+
+
+def asked_questions(engine, n: int, seed: int, batch_size: int) -> list[str]:
+    """n questions the engine's model asks when its chat template's user turn is opened,
+    sampled at temperature 1; those that end the turn with at least MIN_QUESTION_WORDS words."""
+    from lookahead_jax.sampling import Sampling  # noqa: PLC0415
+    prefix = question_prefix(engine.tokenizer)
+    eos = set(engine.eos_ids)
+    out, round_ = [], 0
+    while len(out) < n:
+        if round_ > 20:
+            raise RuntimeError(f"only {len(out)} of {n} questions after {round_} rounds")
+        res = engine.generate_ids([prefix] * batch_size, method="ar",
+                                  sampling=Sampling(temperature=1.0),
+                                  max_new_tokens=QUESTION_TOKENS, seed=seed * 1000 + round_)
+        for ids in res.tokens:
+            text = engine.decode(ids).strip()
+            if ids and ids[-1] in eos and len(text.split()) >= MIN_QUESTION_WORDS:
+                out.append(text)
+        round_ += 1
+    return out[:n]
+
+
+def build(student: str, out: pathlib.Path, *, prompts: int = 400, max_new_tokens: int = 128,
+          batch_size: int = 25, seed: int = 0, log=lambda m: None) -> dict:
+    """Writes onpolicy.npy / .jsonl / .json into `out` (see the module doc) -> the record."""
+    import numpy as np  # noqa: PLC0415
+
+    from lookahead_jax.engine import Engine  # noqa: PLC0415
+    from train_looped import corpus  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    counts = kind_counts(prompts)
+    rng = np.random.default_rng(seed)
+    if not (corpus.corpus_dir() / "train.jsonl").exists():
+        corpus.build()
+    docs = corpus.read_split(corpus.corpus_dir() / "train.jsonl")
+    items = corpus_prompts(docs, counts, rng)
+    teacher = Engine.from_preset("smollm2_135m", dtype="float32")
+    items += [("asked", q, True)
+              for q in asked_questions(teacher, counts["asked"], seed, batch_size)]
+    log(f"{len(items)} prompts in {time.perf_counter() - t0:.0f} s")
+    del teacher
+    engine = Engine.from_preset("hf", ckpt=student, dtype="float32")
+    encoded = [engine.encode(text, chat=chat) for _, text, chat in items]
+    order = sorted(range(len(items)), key=lambda i: len(encoded[i]))  # similar lengths batched
+    answers: dict[int, list[int]] = {}
+    for b in range(0, len(order), batch_size):
+        idx = order[b:b + batch_size]
+        res = engine.generate_ids([encoded[i] for i in idx], method="ar",
+                                  max_new_tokens=max_new_tokens)
+        answers.update(zip(idx, res.tokens))
+        log(f"answered {min(b + batch_size, len(order))}/{len(order)}")
+    sep = engine.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    stream = np.concatenate([np.asarray(encoded[i] + list(answers[i]) + [sep], np.int32)
+                             for i in range(len(items))])
+    out.mkdir(parents=True, exist_ok=True)
+    np.save(out / "onpolicy.npy", stream)
+    with open(out / "onpolicy.jsonl", "w") as f:
+        for i, (kind, text, chat) in enumerate(items):
+            f.write(json.dumps({"kind": kind, "chat": chat, "prompt": text,
+                                "answer": engine.decode(answers[i])}) + "\n")
+    record = {"student": str(student), "prompts": counts, "max_new_tokens": max_new_tokens,
+              "seed": seed, "tokens": int(stream.size),
+              "answer_tokens": int(sum(len(a) for a in answers.values())),
+              "seconds": round(time.perf_counter() - t0, 1)}
+    (out / "onpolicy.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def main(argv) -> int:
+    del argv
+    record = build(FLAGS.student, pathlib.Path(FLAGS.out), prompts=FLAGS.prompts,
+                   max_new_tokens=FLAGS.max_new_tokens, batch_size=FLAGS.batch_size,
+                   seed=FLAGS.seed, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    flags.DEFINE_string("student", None, "Exported looped model directory.", required=True)
+    flags.DEFINE_string("out", None, "Output directory.", required=True)
+    flags.DEFINE_integer("prompts", 400, "Prompts in all.")
+    flags.DEFINE_integer("max_new_tokens", 128, "Longest answer.")
+    flags.DEFINE_integer("batch_size", 25, "Prompts decoded together.")
+    flags.DEFINE_integer("seed", 0, "Fixes every choice.")
+    app.run(main)
