@@ -419,8 +419,9 @@ def train(cfg: DistillConfig, workdir: pathlib.Path, *, progress: bool = True,
         return teacher_states(teacher, tokens, depths)
 
     scale_file = workdir / "state_scale.npy"
-    if not scale_file.exists():
-        t = targets(jnp.asarray(batch_at(train_streams, cfg, 0)[:, :-1]))
+    if not scale_file.exists():  # from the corpus alone: a run --init_from another keeps its scale
+        corpus_only = dataclasses.replace(cfg, onpolicy_share=0.0, init_from="")
+        t = targets(jnp.asarray(batch_at(train_streams, corpus_only, 0)[:, :-1]))
         np.save(scale_file, np.asarray(jnp.std(t[1:], axis=(1, 2)) + 1e-3))
     scale = jnp.asarray(np.load(scale_file))
 
