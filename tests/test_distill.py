@@ -81,8 +81,8 @@ def test_command_flags_set_the_recipe():
 
 
 def test_chat_documents_keep_their_turns():
-    from train_looped.corpus import chat_text  # noqa: PLC0415
-    msgs = distill.chat_messages(chat_text("How many legs?\n", "Four.\n\n#### 4"))
+    from train_looped.corpus import chat_messages, chat_text  # noqa: PLC0415
+    msgs = chat_messages(chat_text("How many legs?\n", "Four.\n\n#### 4"))
     assert msgs == [{"role": "user", "content": "How many legs?"},
                     {"role": "assistant", "content": "Four.\n\n#### 4"}]
 

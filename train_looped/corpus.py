@@ -195,6 +195,13 @@ def write_split(path: pathlib.Path, docs: list[Document]) -> str:
     return hashlib.sha256(data.encode()).hexdigest()
 
 
+def chat_messages(text: str) -> list[dict]:
+    """A single-turn chat text of `chat_text` as messages."""
+    user, _, assistant = text.partition(f"\n{ASSISTANT}\n")
+    return [{"role": "user", "content": user.removeprefix(USER).strip()},
+            {"role": "assistant", "content": assistant.strip()}]
+
+
 def read_split(path: str | os.PathLike) -> list[Document]:
     with open(path, encoding="utf-8") as f:
         return [Document(**json.loads(line)) for line in f if line.strip()]

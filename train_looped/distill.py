@@ -130,16 +130,9 @@ class DistillConfig:
 
 # ---- data -----------------------------------------------------------------------------------
 
-def chat_messages(text: str) -> list[dict]:
-    """The corpus's single-turn chat text (`train_looped.corpus.chat_text`) as messages."""
-    from train_looped.corpus import ASSISTANT, USER  # noqa: PLC0415
-    user, _, assistant = text.partition(f"\n{ASSISTANT}\n")
-    return [{"role": "user", "content": user.removeprefix(USER).strip()},
-            {"role": "assistant", "content": assistant.strip()}]
-
-
 def render(tok, doc) -> list[int]:
     """Token ids of one corpus document for SmolLM2: chat pairs through its chat template."""
+    from train_looped.corpus import chat_messages  # noqa: PLC0415
     if doc.source in CHAT_SOURCES:
         text = tok.apply_chat_template(chat_messages(doc.text), tokenize=False)
     else:

@@ -85,7 +85,7 @@ def question_prefix(tok) -> list[int]:
 
 def corpus_prompts(docs, counts: dict[str, int], rng) -> list[tuple[str, str, bool]]:
     """(kind, text, chat) prompts of the corpus documents `docs` for every kind but `asked`."""
-    from train_looped.distill import chat_messages  # noqa: PLC0415
+    from train_looped.corpus import chat_messages  # noqa: PLC0415
     out = []
     for kind in ("gsm8k", "pyfaq"):
         mine = [d for d in docs if d.source == kind]
