@@ -207,6 +207,20 @@ def read_split(path: str | os.PathLike) -> list[Document]:
         return [Document(**json.loads(line)) for line in f if line.strip()]
 
 
+def split_documents(split: str) -> list[Document]:
+    """The documents of the corpus's `split` ("train" | "heldout"), building the corpus first
+    when it is not there."""
+    path = corpus_dir() / f"{split}.jsonl"
+    if not path.exists():
+        build()
+    return read_split(path)
+
+
+def separator_id(tok) -> int:
+    """The token between documents in SmolLM2's token streams: <|endoftext|>."""
+    return tok.convert_tokens_to_ids("<|endoftext|>")
+
+
 def build(out_dir: str | os.PathLike | None = None, **sources) -> dict:
     """Builds the corpus into `out_dir` (default `corpus_dir()`); returns the manifest."""
     out = pathlib.Path(out_dir or corpus_dir())

@@ -140,11 +140,6 @@ def render(tok, doc) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
 
-def separator_id(tok) -> int:
-    """The token between documents: SmolLM2's <|endoftext|>."""
-    return tok.convert_tokens_to_ids("<|endoftext|>")
-
-
 def source_tokens(tok, docs, limit: int, eos_id: int):
     """Documents' ids joined by eos_id, stopping once `limit` tokens are collected."""
     import numpy as np  # noqa: PLC0415
@@ -165,9 +160,7 @@ def prepare_data(tok, split: str, cfg: DistillConfig, cache: pathlib.Path, eos_i
     cache.mkdir(parents=True, exist_ok=True)
     paths = {s: cache / f"{split}_{s}.npy" for s in SOURCES}
     if not all(p.exists() for p in paths.values()):
-        if not (corpus.corpus_dir() / f"{split}.jsonl").exists():
-            corpus.build()
-        docs = corpus.read_split(corpus.corpus_dir() / f"{split}.jsonl")
+        docs = corpus.split_documents(split)
         for s in SOURCES:
             mine = [d for d in docs if d.source == s]
             np.save(paths[s], source_tokens(tok, mine, cfg.tokens_per_source, eos_id))
@@ -284,8 +277,6 @@ def layout_mismatch(config: dict, cfg: DistillConfig) -> list[str]:
 def start_block(cfg: DistillConfig):
     """The Param state (float32) of the block exported in cfg.init_from, whose layout must be
     cfg's."""
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
     from lookahead_jax.store.checkpoint import load_model_and_tokenizer  # noqa: PLC0415
@@ -297,8 +288,7 @@ def start_block(cfg: DistillConfig):
     if bad:
         raise ValueError(f"init_from {path} has another layout: {'; '.join(bad)}")
     model, _, _ = load_model_and_tokenizer(load_preset("hf"), path, "float32")
-    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32),
-                        nnx.state(model.core_block, nnx.Param))
+    return nnx.state(model.core_block, nnx.Param)
 
 
 def onpolicy_stream(cfg: DistillConfig, data: pathlib.Path):
@@ -391,6 +381,7 @@ def train(cfg: DistillConfig, workdir: pathlib.Path, *, progress: bool = True,
                                     lr_at, make_optimizer, planned_total)
 
     teacher, tok, _ = load_model_and_tokenizer(load_preset(cfg.base))
+    from train_looped.corpus import separator_id  # noqa: PLC0415
     eos = separator_id(tok)
     train_streams = prepare_data(tok, "train", cfg, workdir / "data", eos)
     held = heldout_rows(prepare_data(tok, "heldout", cfg, workdir / "data", eos), cfg)
@@ -660,6 +651,7 @@ def export(cfg: DistillConfig, state, workdir: pathlib.Path, out: pathlib.Path) 
                            state.params)
     block = init_block(teacher, cfg)
     graphdef, _ = nnx.split(block, nnx.Param)
+    from train_looped.corpus import separator_id  # noqa: PLC0415
     held = heldout_rows(prepare_data(tok, "heldout", cfg, workdir / "data", separator_id(tok)),
                         cfg)
     table = evaluate_block(teacher, graphdef, cfg, rounded, held)

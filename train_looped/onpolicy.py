@@ -134,10 +134,7 @@ def build(student: str, out: pathlib.Path, *, prompts: int = 400, max_new_tokens
     t0 = time.perf_counter()
     counts = kind_counts(prompts)
     rng = np.random.default_rng(seed)
-    if not (corpus.corpus_dir() / "train.jsonl").exists():
-        corpus.build()
-    docs = corpus.read_split(corpus.corpus_dir() / "train.jsonl")
-    items = corpus_prompts(docs, counts, rng)
+    items = corpus_prompts(corpus.split_documents("train"), counts, rng)
     teacher = Engine.from_preset("smollm2_135m", dtype="float32")
     items += [("asked", q, True)
               for q in asked_questions(teacher, counts["asked"], seed, batch_size)]
@@ -153,7 +150,7 @@ def build(student: str, out: pathlib.Path, *, prompts: int = 400, max_new_tokens
                                   max_new_tokens=max_new_tokens)
         answers.update(zip(idx, res.tokens))
         log(f"answered {min(b + batch_size, len(order))}/{len(order)}")
-    sep = engine.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    sep = corpus.separator_id(engine.tokenizer)
     stream = np.concatenate([np.asarray(encoded[i] + list(answers[i]) + [sep], np.int32)
                              for i in range(len(items))])
     out.mkdir(parents=True, exist_ok=True)
