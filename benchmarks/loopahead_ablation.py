@@ -9,7 +9,8 @@ top-p as the CLI's) samples instead, and `--node_costs=0.1,0.3` adds the drafter
 calibrated retention (`retain="calibrated"`, one pair of rows per node cost), and
 `--suspend_below=1` sets LoopAhead's sampling suspension threshold (a child the feedback
 readout gives at least that chance of acceptance keeps running beside the likeliest; 1: only
-the likeliest runs; default the method's 0: no child pauses). Per
+the likeliest runs; default the method's: 0, no child pauses, without a budget and 1 under
+one, recorded per row). Per
 budget and method, over the prompts of each data set: shared-block calls (loops)
 per output token relative to plain decoding's R, candidate advances per token, the share of
 all advances spent on nodes that verification discarded, the share of discarded nodes that had
@@ -131,6 +132,8 @@ def run(config: str, lad: str, budgets: list[int], sets: list[str], num_prompts:
             row = {"budget": budget if lad_on is not None else None, "method": label,
                    "lad": lad_on, "scheduling": sched, "node_cost": cost,
                    "capacity": method.tree_capacity(r_full),
+                   "suspend_below": (None if sampling.greedy or lad_on is None
+                                     else method.suspend_below),
                    **summarize(measure(engine, method, prompts, new, seed), plain, r_full,
                                sampling.greedy)}
             rows.append(row)
@@ -143,10 +146,20 @@ def run(config: str, lad: str, budgets: list[int], sets: list[str], num_prompts:
     return {"config": config, "checkpoint": ckpt, "lad": lad, "num_loops": r_full,
             "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k,
                          "top_p": sampling.top_p, "seed": seed},
-            "suspend_below": None if sampling.greedy else (
-                LoopAhead(sampling).suspend_below if suspend_below is None else suspend_below),
+            "suspend_below": threshold_of(rows, sampling, suspend_below),
             "sets": sets, "num_prompts": num_prompts, "max_new_tokens": new,
             "prompts": len(prompts), "machine": machine_info(), "rows": rows}
+
+
+def threshold_of(rows: list[dict], sampling: Sampling, given: float | None):
+    """The run's suspension threshold: None when greedy, else the one given, else the LoopAhead
+    rows' (the method's default, which follows the budget), "auto" when they differ."""
+    if sampling.greedy:
+        return None
+    if given is not None:
+        return given
+    used = {r["suspend_below"] for r in rows if r["suspend_below"] is not None}
+    return used.pop() if len(used) == 1 else "auto"
 
 
 def table(rec: dict) -> str:
@@ -165,10 +178,12 @@ def table(rec: dict) -> str:
 
 def result_name(rec: dict) -> str:
     """loopahead_ablation_<config>, and when sampling _t<T>_s<S> (S: LoopAhead's suspension
-    threshold, given or the method's default)."""
+    threshold, given or the method's default; "auto" when the default differs by budget)."""
     name = f"loopahead_ablation_{rec['config']}"
-    if rec["suspend_below"] is not None:  # sampling
-        name += f"_t{rec['sampling']['temperature']:g}_s{rec['suspend_below']:g}"
+    threshold = rec["suspend_below"]
+    if threshold is not None:  # sampling
+        s = threshold if isinstance(threshold, str) else f"{threshold:g}"
+        name += f"_t{rec['sampling']['temperature']:g}_s{s}"
     return name
 
 
@@ -197,7 +212,9 @@ def main(argv) -> int:
               node_costs=tuple(float(c) for c in FLAGS.node_costs),
               suspend_below=FLAGS.suspend_below)
     mode = "greedy" if sampling.greedy else f"sampling ({sampling})"
-    if rec["suspend_below"] is not None:
+    if rec["suspend_below"] == "auto":
+        mode += ", suspend_below the default (0 without a budget, 1 under one)"
+    elif rec["suspend_below"] is not None:
         mode += f", suspend_below {rec['suspend_below']:g}"
     md = (f"# LoopAhead ablation: {rec['config']} (R = {rec['num_loops']}), {rec['prompts']} "
           f"prompts ({', '.join(rec['sets'])}), {rec['max_new_tokens']} new tokens, {mode}\n\n"

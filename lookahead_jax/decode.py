@@ -94,8 +94,9 @@ class Options:
                                     "node's execution cost in expected tokens (default 0.1).")
     suspend_below: float | None = _flag(None, "--method=loopahead, sampling: a child the "
                                         "feedback readout gives at least this chance keeps "
-                                        "running (default 0: none pauses; 1: only the "
-                                        "likeliest runs, fewer advances).")
+                                        "running (0: none pauses; 1: only the likeliest "
+                                        "runs, fewer advances; default 0, or 1 with "
+                                        "--max_active).")
     pl_tokens: int | None = _flag(None, "--method=prompt_lookup: draft tokens per step, at most "
                                   "(default: 10).")
     pl_ngram: int | None = _flag(None, "--method=prompt_lookup: longest suffix searched for "

@@ -229,6 +229,17 @@ def test_budget_and_calls_are_checked():
         LoopAhead(suspend_below=1.5)
 
 
+def test_the_suspension_default_follows_the_budget():
+    """Sampling pauses no child by default, and all but the likeliest under a budget (where a
+    paused child frees its slot); a threshold given is kept; greedy ignores the budget."""
+    hot = Sampling(0.7)
+    assert LoopAhead(hot).suspend_below == 0.0
+    assert LoopAhead(hot, max_active=4).suspend_below == 1.0
+    assert LoopAhead(hot, max_active=4, suspend_below=0.0).suspend_below == 0.0
+    assert LoopAhead(hot, suspend_below=0.5).suspend_below == 0.5
+    assert LoopAhead(max_active=4).suspend_below == 0.0
+
+
 def test_near_zero_temperature_is_greedy(engine, plain):
     """The sampling path (drafter and feedback on) at temperature 1e-6 emits plain greedy's
     tokens: under sampling the tree keeps exactly the accepted branch."""

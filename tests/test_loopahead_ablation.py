@@ -73,8 +73,8 @@ def test_suspend_below_reaches_every_loopahead_row(capsys):
     if not os.path.isdir(LAD):
         pytest.skip(f"no shipped drafter at {LAD}")
     engine = Engine.from_preset("tiny_ouro", ckpt=os.path.join(REPO, "checkpoints", "tiny_ouro"))
-    for want, got in ((None, 0.0), (0.25, 0.25)):
-        methods = ab.ablation_methods(engine, LAD, 0, sampling=Sampling(0.7),
+    for budget, want, got in ((0, None, 0.0), (0, 0.25, 0.25), (4, None, 1.0), (4, 0.0, 0.0)):
+        methods = ab.ablation_methods(engine, LAD, budget, sampling=Sampling(0.7),
                                       node_costs=(0.3,), suspend_below=want)
         looped = [m for (label, *_), m in methods.items() if not label.startswith("LoopSpec")]
         assert len(looped) == 6 and {m.suspend_below for m in looped} == {got}
@@ -87,3 +87,18 @@ def test_suspend_below_reaches_every_loopahead_row(capsys):
             assert msg in capsys.readouterr().err
         finally:
             ab.FLAGS.unparse_flags()
+
+
+def test_the_run_threshold_and_file_name_follow_the_rows():
+    """A sampling run without --suspend_below records the rows' default threshold, "auto" (and
+    `_sauto` in the file's name) when budgets make it differ; greedy records none."""
+    from benchmarks import loopahead_ablation as ab  # noqa: PLC0415
+    rows = lambda *ts: [{"suspend_below": t} for t in ts]  # noqa: E731
+    hot = Sampling(0.7)
+    assert ab.threshold_of(rows(0.0, 0.0, None), hot, None) == 0.0
+    assert ab.threshold_of(rows(0.0, 1.0, None), hot, None) == "auto"
+    assert ab.threshold_of(rows(1.0, 1.0), hot, 1.0) == 1.0
+    assert ab.threshold_of(rows(None), Sampling(), None) is None
+    rec = {"config": "m", "sampling": {"temperature": 0.7}}
+    assert ab.result_name({**rec, "suspend_below": "auto"}) == "loopahead_ablation_m_t0.7_sauto"
+    assert ab.result_name({**rec, "suspend_below": 1.0}) == "loopahead_ablation_m_t0.7_s1"

@@ -176,8 +176,8 @@ def test_cli_calibrated_retention(depth2_drafter, tmp_path):
 
 
 def test_cli_suspend_below(depth2_drafter, tmp_path):
-    """--suspend_below reaches LoopAhead when sampling (default 0: no child pauses); greedy
-    decoding and a threshold outside [0, 1] are refused clearly."""
+    """--suspend_below reaches LoopAhead when sampling (default 0: no child pauses; under a
+    budget 1); greedy decoding and a threshold outside [0, 1] are refused clearly."""
     from lookahead_jax import decode  # noqa: PLC0415
     out = tmp_path / "run.json"
 
@@ -189,10 +189,14 @@ def test_cli_suspend_below(depth2_drafter, tmp_path):
                           stdin=io.StringIO(""), stdout=io.StringIO(), stderr=err)
         return code, err.getvalue()
 
-    for given, want in ((None, 0.0), (1.0, 1.0)):
-        code, _ = run(temperature=0.7, suspend_below=given)
+    for given, budget, want in ((None, None, 0.0), (1.0, None, 1.0), (None, 4, 1.0),
+                                (0.0, 4, 0.0)):
+        code, _ = run(temperature=0.7, suspend_below=given, max_active=budget)
         assert code == 0
         assert json.loads(out.read_text())["results"][0]["stats"]["extra"]["suspend_below"] == want
+    code, _ = run(max_active=4)  # greedy under a budget: the default stays 0, not refused
+    assert code == 0
+    assert json.loads(out.read_text())["results"][0]["stats"]["extra"]["suspend_below"] == 0.0
     code, err = run(suspend_below=1.0)
     assert code == 2 and "suspend_below applies when sampling" in err
     code, err = run(temperature=0.7, suspend_below=1.5)

@@ -62,10 +62,12 @@ child's existence and q depend only on earlier children, never on its own token,
 emitted token is distributed exactly as plain sampling at full depth. Scheduling at r2 and later
 readouts can keep running the child most likely to be accepted under that depth's distribution
 (at r2 the new proposal included) and pause the others, the greedy rule's counterpart
-(`suspend_below=1`). By default (`suspend_below=0`) sampling pauses no child: the token
-verification accepts is drawn, often not the likeliest, and pausing it costs loops (on
-smol_loop at T = 0.7, 0.539 of plain's loops per token paused against 0.488 not, at half the
-advances: benchmarks/README.md). Any threshold keeps the distribution exact: pausing decides
+(`suspend_below=1`). Without a budget, sampling pauses no child by default (`suspend_below`
+0): the token verification accepts is drawn, often not the likeliest, and pausing it costs
+loops (on smol_loop at T = 0.7, 0.539 of plain's loops per token paused against 0.488 not, at
+half the advances: benchmarks/README.md). Under a budget (`max_active`) the default is 1: a
+paused child frees its slot for likelier nodes, and pausing saves loops (tiny_ouro, T = 0.7,
+budget 4: 0.374 of plain's loops per token against 0.477). Any threshold keeps the distribution exact: pausing decides
 when a node runs, never what is emitted.
 
 Counts as LoopSpec: loops (shared-block calls) and candidate advances per output token;
@@ -170,9 +172,10 @@ class LoopAhead(TreeMethod):
     on / off (the "scheduling off" ablation); max_active: the budget, nodes advanced per step
     in priority order (0: all eligible); lad_calls: drafter calls per row and step (each from
     an eligible node at r1); suspend_below (sampling): a child the feedback readout gives
-    at least this chance of acceptance keeps running beside the likeliest (0, the default:
-    none pauses, fewest loops; 1: only the likeliest runs, the greedy rule's counterpart,
-    fewest advances); retain (sampling): "all" (a chain keeps
+    at least this chance of acceptance keeps running beside the likeliest (0: none pauses,
+    fewest loops; 1: only the likeliest runs, the greedy rule's counterpart, fewest advances;
+    None, the default: 0 without a budget, 1 with one, where a paused child frees its slot
+    for likelier nodes); retain (sampling): "all" (a chain keeps
     the drafter's K tokens) or "calibrated" (calls and chain lengths chosen from the
     drafter's `Calibration` and node_cost, the execution cost of a node in expected tokens;
     module docstring, step 4); window: the drafter's context positions;
@@ -185,7 +188,7 @@ class LoopAhead(TreeMethod):
     scheduling: bool = True
     max_active: int = 0
     lad_calls: int = 1
-    suspend_below: float = 0.0
+    suspend_below: float | None = None
     retain: str = "all"
     node_cost: float = 0.1
     window: int = 32
@@ -199,6 +202,9 @@ class LoopAhead(TreeMethod):
         if self.r1 < 1 or (self.r2 and self.r2 <= self.r1):
             raise ConfigError(f"loopahead: need 1 <= r1 < r2 (or r2 = 0), got {self.r1}, "
                               f"{self.r2}")
+        if self.suspend_below is None:  # the default follows the budget (class docstring)
+            budgeted = self.max_active > 0 and not self.sampling.greedy
+            object.__setattr__(self, "suspend_below", 1.0 if budgeted else 0.0)
         if not 0.0 <= self.suspend_below <= 1.0:
             raise ConfigError(f"loopahead: suspend_below must lie in [0, 1], got "
                               f"{self.suspend_below}")
