@@ -67,8 +67,8 @@ readouts can keep running the child most likely to be accepted under that depth'
 loops (on smol_loop at T = 0.7, 0.539 of plain's loops per token paused against 0.488 not, at
 half the advances: benchmarks/README.md). Under a budget (`max_active`) the default is 1: a
 paused child frees its slot for likelier nodes, and pausing saves loops (tiny_ouro, T = 0.7,
-budget 4: 0.374 of plain's loops per token against 0.477). Any threshold keeps the distribution exact: pausing decides
-when a node runs, never what is emitted.
+budget 4: 0.374 of plain's loops per token against 0.477). Any threshold keeps the
+distribution exact: pausing decides when a node runs, never what is emitted.
 
 Counts as LoopSpec: loops (shared-block calls) and candidate advances per output token;
 `drafter_accepted`: verifications that kept the drafter's child.
