@@ -218,12 +218,16 @@ def test_onpolicy_settings_validated():
         dataclasses.replace(CFG, onpolicy_share=0.5)
     with pytest.raises(ValueError, match=r"onpolicy_share must be in \[0, 1\)"):
         dataclasses.replace(CFG, init_from="x", onpolicy_share=1.0)
+    with pytest.raises(ValueError, match="onpolicy_mix must be one of base, broad"):
+        dataclasses.replace(CFG, onpolicy_mix="wide")
     old = json.loads(json.dumps(dataclasses.asdict(CFG)))
     older = {k: v for k, v in old.items() if not k.startswith(("onpolicy", "init_from"))}
     assert distill.changed_settings(older, CFG) == []
     assert distill.changed_settings(
         older, dataclasses.replace(CFG, init_from="x", onpolicy_share=0.5)) == [
         "init_from", "onpolicy_share"]
+    assert distill.changed_settings(old, dataclasses.replace(CFG, onpolicy_mix="broad")) == [
+        "onpolicy_mix"]
 
 
 def _streams(n=200):

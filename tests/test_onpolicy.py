@@ -46,11 +46,19 @@ def test_kind_counts_add_up():
     for total in (5, 7, 400, 1001):
         counts = onpolicy.kind_counts(total)
         assert sum(counts.values()) == total and min(counts.values()) >= 1
-        assert list(counts) == [k for k, _ in onpolicy.KINDS]
+        assert list(counts) == [k for k, _ in onpolicy.MIXES["base"]]
     assert onpolicy.kind_counts(400) == {"gsm8k": 100, "pyfaq": 40, "asked": 140, "code": 60,
                                          "write": 60}
     with pytest.raises(ValueError, match="at least 5 prompts"):
         onpolicy.kind_counts(4)
+    broad = onpolicy.kind_counts(480, "broad")
+    assert broad == {"gsm8k": 96, "pyfaq": 24, "asked": 72, "code": 48, "write": 48,
+                     "roleplay": 72, "class": 120}
+    assert sum(onpolicy.kind_counts(401, "broad").values()) == 401
+    with pytest.raises(ValueError, match="at least 7 prompts"):
+        onpolicy.kind_counts(6, "broad")
+    with pytest.raises(ValueError, match="unknown mix 'wide'"):
+        onpolicy.kind_counts(400, "wide")
 
 
 def test_function_headers_are_public_top_level_functions_with_docstrings():
@@ -63,6 +71,76 @@ def test_function_headers_are_public_top_level_functions_with_docstrings():
     assert onpolicy.first_line(header) == "Join words with sep."
     assert onpolicy.first_line(got[1][2]) == "Add a and b."  # a one-line docstring
     assert onpolicy.function_headers(SOURCE, max_doc_chars=15) == [got[1]]
+
+
+CLASSES = '''"""A module."""
+
+import os
+from collections import (
+    deque)
+
+
+class Store(Base):
+    """Keeps things."""
+
+    limit = 3
+
+    def __init__(self, path,
+                 size=0):
+        self.path = path
+
+    def add(self, item):
+        """Add item.
+
+        >>> Store("p").add(1)
+        """
+        self.items.append(item)
+
+    def _hidden(self):
+        """Private."""
+
+    @property
+    def size(self):
+        """Decorated: left out."""
+        return 0
+
+    def clear(self):
+        """Drop every item."""
+        self.items = []
+
+    def no_doc(self):
+        return 1
+
+
+class NoDoc:
+    def a(self):
+        """A."""
+
+    def b(self):
+        """B."""
+
+
+class OneMethod:
+    """Too few methods."""
+
+    def a(self):
+        """A."""
+'''
+
+
+def test_class_skeletons_keep_signatures_and_docstrings_without_bodies():
+    got = onpolicy.class_skeletons(CLASSES)
+    assert [name for name, _ in got] == ["Store"]
+    assert got[0][1] == (
+        'import os\nfrom collections import (\n    deque)\n\n'
+        'class Store(Base):\n    """Keeps things."""\n\n'
+        '    def __init__(self, path,\n                 size=0):\n        pass\n\n'
+        '    def add(self, item):\n        """Add item.\n\n        >>> Store("p").add(1)\n'
+        '        """\n\n\n'
+        '    def clear(self):\n        """Drop every item."""\n\n')
+    assert onpolicy.class_skeletons(CLASSES, max_methods=1) == []  # one method is too few
+    assert onpolicy.class_skeletons(CLASSES, max_chars=100) == []
+    assert onpolicy.class_skeletons("def broken(:\n") == []
 
 
 class _Template:
@@ -102,3 +180,38 @@ def test_corpus_prompts_take_each_kind_from_its_source():
     assert write[1].startswith("Write a Python function `") and write[1] != code[1]
     again = onpolicy.corpus_prompts(docs, counts, np.random.default_rng(0))
     assert again == got  # fixed by the seed
+    with_classes = onpolicy.corpus_prompts(
+        docs + [Document("stdlib/c.py", "stdlib", CLASSES)], {**counts, "class": 3},
+        np.random.default_rng(0))
+    assert [(k, chat) for k, _, chat in with_classes[-1:]] == [("class", False)]
+    assert with_classes[-1][1] == onpolicy.class_skeletons(CLASSES)[0][1]
+
+
+class _Asker:
+    """An engine stand-in whose model answers every opened user turn with " more words are here"
+    and EOS; it records the prompts it was given."""
+
+    tokenizer = _Template()
+    eos_ids = (0,)
+
+    def __init__(self):
+        self.prompts = []
+
+    def generate_ids(self, prompts, **kwargs):
+        self.prompts += prompts
+        return type("R", (), {"tokens": [[ord(c) for c in " more words are here"] + [0]
+                                         for _ in prompts]})()
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids if i)
+
+
+def test_asked_questions_open_the_turn_with_each_opener_in_turn():
+    engine = _Asker()
+    got = onpolicy.asked_questions(engine, 5, seed=0, batch_size=2, openers=("Act as", "Be"))
+    assert got == ["Act as more words are here", "Be more words are here"] * 2 + [
+        "Act as more words are here"]
+    texts = ["".join(map(chr, p)) for p in engine.prompts]
+    assert texts == ["<user>\nAct as", "<user>\nBe"] * 3
+    plain = onpolicy.asked_questions(_Asker(), 2, seed=0, batch_size=2)
+    assert plain == ["more words are here"] * 2

@@ -44,9 +44,9 @@ teacher and with the full depth).
 
 On-policy data: --init_from=<an exported model of the same layout> starts the block from that
 model's, and --onpolicy_share=S (with it) draws round(S * batch_size) rows of every batch from
-that model's own greedy answers to --onpolicy_prompts prompts of no benchmark set
-(`train_looped.onpolicy`, built into the workdir on first use), so the KL corrects the student
-where its greedy decoding goes rather than only on text people wrote.
+that model's own greedy answers to --onpolicy_prompts prompts of no benchmark set, of the kinds
+--onpolicy_mix names (`train_looped.onpolicy`, built into the workdir on first use), so the KL
+corrects the student where its greedy decoding goes rather than only on text people wrote.
 
 Training saves an Orbax checkpoint to --workdir every few minutes and on Ctrl-C; running the
 same command again resumes. --steps larger than the workdir's recorded step count extends the
@@ -65,6 +65,8 @@ import sys
 import time
 
 from absl import app, flags, logging
+
+from train_looped import onpolicy
 
 FLAGS = flags.FLAGS
 
@@ -100,6 +102,7 @@ class DistillConfig:
     init_from: str = ""                # an exported block of the same layout to start from
     onpolicy_share: float = 0.0        # > 0: this share of each batch on-policy
     onpolicy_prompts: int = 400        # its prompts (answered greedily by the init_from model)
+    onpolicy_mix: str = "base"         # their kinds' shares (`train_looped.onpolicy.MIXES`)
 
     def __post_init__(self):
         if self.replaced_layers % self.num_loops:
@@ -117,6 +120,9 @@ class DistillConfig:
             raise ValueError(f"mixture: {len(SOURCES)} shares summing to 1 ({SOURCES})")
         if not 0 <= self.onpolicy_share < 1:
             raise ValueError(f"onpolicy_share must be in [0, 1), got {self.onpolicy_share}")
+        if self.onpolicy_mix not in onpolicy.MIXES:
+            raise ValueError(f"onpolicy_mix must be one of {', '.join(onpolicy.MIXES)}, got "
+                             f"{self.onpolicy_mix!r}")
         if self.onpolicy_share and not self.init_from:
             raise ValueError("onpolicy_share needs init_from: the on-policy answers are that "
                              "model's")
@@ -295,9 +301,9 @@ def onpolicy_stream(cfg: DistillConfig, data: pathlib.Path):
     """The on-policy token stream (`train_looped.onpolicy`) of cfg.init_from's model, built into
     `data` on first use."""
     import numpy as np  # noqa: PLC0415
-    from train_looped import onpolicy  # noqa: PLC0415
     if not (data / "onpolicy.npy").exists():
-        onpolicy.build(cfg.init_from, data, prompts=cfg.onpolicy_prompts, seed=cfg.seed,
+        onpolicy.build(cfg.init_from, data, prompts=cfg.onpolicy_prompts, mix=cfg.onpolicy_mix,
+                       seed=cfg.seed,
                        log=lambda m: logging.warning("onpolicy: %s", m))
     return np.load(data / "onpolicy.npy")
 
@@ -552,13 +558,17 @@ def define_flags() -> None:
     flags.DEFINE_float("onpolicy_share", None, "Share of each batch from the --init_from "
                        "model's own greedy answers (`train_looped.onpolicy`; default 0).")
     flags.DEFINE_integer("onpolicy_prompts", None, "Prompts of the on-policy data (default 400).")
+    flags.DEFINE_string("onpolicy_mix", None, "Kinds of those prompts: base (default) or broad "
+                        "(adds role-play questions and class skeletons; "
+                        "`train_looped.onpolicy.MIXES`).")
     flags.DEFINE_integer("max_steps_this_run", None, "Stop after this many steps (resumable).")
     flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
 
 FLAG_FIELDS = ("steps", "minutes", "batch_size", "prelude_layers", "replaced_layers",
                "core_layers", "num_loops", "out_scale", "loop_weights", "peak_lr", "kl_weight",
-               "kl_every_depth", "init_from", "onpolicy_share", "onpolicy_prompts")
+               "kl_every_depth", "init_from", "onpolicy_share", "onpolicy_prompts",
+               "onpolicy_mix")
 
 
 def config_from_flags(values: dict) -> DistillConfig:

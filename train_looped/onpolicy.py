@@ -1,7 +1,7 @@
 """On-policy chat data for `train_looped.distill`: a student's own greedy answers.
 
     python -m train_looped.onpolicy --student=checkpoints/smol_loop_r2 --out=/tmp/onpolicy
-        [--prompts=400] [--max_new_tokens=128] [--batch_size=25] [--seed=0]
+        [--prompts=400] [--mix=base|broad] [--max_new_tokens=128] [--batch_size=25] [--seed=0]
 
 The corpus holds text people wrote; a distilled looped model is judged on its own greedy text,
 and a model a few hundredths of a nat behind its teacher can still fall into a loop there that
@@ -17,7 +17,14 @@ Prompts (none from a benchmark set; every choice fixed by --seed):
   temperature 1 (at most 48 tokens, kept when it ended the turn and has at least 4 words);
 - `code`: the header and docstring of a top-level function of the train split's standard
   library files, as raw text (as HumanEval and ClassEval are encoded);
-- `write`: "Write a Python function `name(args)`: <the docstring's first line>" as a chat.
+- `write`: "Write a Python function `name(args)`: <the docstring's first line>" as a chat;
+- `roleplay` (mix `broad`): questions SmolLM2 asks when its user turn is opened with one of
+  ROLEPLAY_OPENERS ("Imagine you are", ...), sampled as `asked` ones, the opener kept;
+- `class` (mix `broad`): a class skeleton of the train split's standard library, raw: the
+  module's imports, the class line and docstring, `__init__`'s signature with `pass`, and up to
+  CLASS_METHODS public methods' signatures and docstrings without bodies (as ClassEval's).
+
+`--mix` picks the kinds' shares (MIXES): `base`, the first five; `broad`, all seven.
 
 Each prompt's document is the prompt's ids followed by the student's greedy ids (plain
 decoding, up to --max_new_tokens, its EOS kept); documents are joined by <|endoftext|>. Writes
@@ -37,8 +44,16 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 
-# shares of the prompts, in this order
-KINDS = (("gsm8k", 0.25), ("pyfaq", 0.1), ("asked", 0.35), ("code", 0.15), ("write", 0.15))
+# shares of the prompts, in this order; `asked` takes the rounding
+MIXES = {
+    "base": (("gsm8k", 0.25), ("pyfaq", 0.1), ("asked", 0.35), ("code", 0.15), ("write", 0.15)),
+    "broad": (("gsm8k", 0.2), ("pyfaq", 0.05), ("asked", 0.15), ("code", 0.1), ("write", 0.1),
+              ("roleplay", 0.15), ("class", 0.25)),
+}
+ROLEPLAY_OPENERS = ("Imagine you are", "Pretend you are", "Act as", "You are a",
+                    "Role-play as", "Write a story in which you are")
+CLASS_METHODS = 6
+MAX_CLASS_CHARS = 3000
 QUESTION_TOKENS = 48
 MIN_QUESTION_WORDS = 4
 PLACEHOLDER = "\x00QUESTION\x00"
@@ -47,11 +62,14 @@ _HEADER = re.compile(r'^def (\w+)\(([^)]*)\)( -> [^:\n]+)?:\n( +)"""(.+?)"""\n',
                      re.MULTILINE | re.DOTALL)
 
 
-def kind_counts(total: int) -> dict[str, int]:
-    """Prompts per kind for `total` prompts: KINDS' shares, the rounding left to `asked`."""
-    if total < len(KINDS):
-        raise ValueError(f"at least {len(KINDS)} prompts (one per kind), got {total}")
-    counts = {k: max(1, int(total * share)) for k, share in KINDS}
+def kind_counts(total: int, mix: str = "base") -> dict[str, int]:
+    """Prompts per kind for `total` prompts: the mix's shares, the rounding left to `asked`."""
+    if mix not in MIXES:
+        raise ValueError(f"unknown mix {mix!r}; one of {', '.join(MIXES)}")
+    kinds = MIXES[mix]
+    if total < len(kinds):
+        raise ValueError(f"at least {len(kinds)} prompts (one per kind), got {total}")
+    counts = {k: max(1, int(total * share)) for k, share in kinds}
     counts["asked"] += total - sum(counts.values())
     return counts
 
@@ -74,6 +92,47 @@ def first_line(docstring_header: str) -> str:
     return next((line.strip() for line in doc.splitlines() if line.strip()), "")
 
 
+def class_skeletons(text: str, max_methods: int = CLASS_METHODS,
+                    max_chars: int = MAX_CLASS_CHARS) -> list[tuple[str, str]]:
+    """(class name, skeleton) of the top-level classes of a Python source that have a
+    docstring and at least two public methods with docstrings: the module's imports, the class
+    line and docstring, `__init__`'s signature with `pass`, and the first max_methods such
+    methods' signatures and docstrings, bodies left out; skeletons over max_chars are left out.
+    A source that does not parse gives none."""
+    import ast  # noqa: PLC0415
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.splitlines()
+    span = lambda a, b: "\n".join(lines[a - 1:b])  # noqa: E731  (1-based, inclusive)
+    imports = [span(n.lineno, n.end_lineno) for n in tree.body
+               if isinstance(n, (ast.Import, ast.ImportFrom))][:6]
+    out = []
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef) or node.name.startswith("_"):
+            continue
+        if not ast.get_docstring(node) or node.decorator_list:
+            continue
+        funcs = [f for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        methods = [f for f in funcs if not f.name.startswith("_") and ast.get_docstring(f)
+                   and not f.decorator_list][:max_methods]
+        if len(methods) < 2:
+            continue
+        doc = node.body[0]
+        parts = ([*imports, ""] if imports else []) + [span(node.lineno, doc.end_lineno), ""]
+        init = next((f for f in funcs if f.name == "__init__"), None)
+        if init is not None:
+            indent = " " * (init.body[0].col_offset)
+            parts += [span(init.lineno, init.body[0].lineno - 1), f"{indent}pass", ""]
+        for f in methods:
+            parts += [span(f.lineno, f.body[0].end_lineno), "", ""]
+        skeleton = "\n".join(parts).rstrip() + "\n\n"
+        if len(skeleton) <= max_chars:
+            out.append((node.name, skeleton))
+    return out
+
+
 def question_prefix(tok) -> list[int]:
     """Ids of the chat template up to where the user's question begins."""
     rendered = tok.apply_chat_template([{"role": "user", "content": PLACEHOLDER}],
@@ -91,7 +150,8 @@ def corpus_prompts(docs, counts: dict[str, int], rng) -> list[tuple[str, str, bo
         mine = [d for d in docs if d.source == kind]
         for i in rng.permutation(len(mine))[:counts[kind]]:
             out.append((kind, chat_messages(mine[i].text)[0]["content"], True))
-    headers = [h for d in docs if d.source == "stdlib" for h in function_headers(d.text)]
+    stdlib = [d for d in docs if d.source == "stdlib"]
+    headers = [h for d in stdlib for h in function_headers(d.text)]
     order = rng.permutation(len(headers))
     for i in order[:counts["code"]]:
         out.append(("code", headers[i][2], False))
@@ -99,32 +159,42 @@ def corpus_prompts(docs, counts: dict[str, int], rng) -> list[tuple[str, str, bo
         name_sig, header = headers[i][1], headers[i][2]
         out.append(("write", f"Write a Python function `{name_sig}`: {first_line(header)}",
                     True))
+    if counts.get("class"):
+        classes = [c for d in stdlib for c in class_skeletons(d.text)]
+        for i in rng.permutation(len(classes))[:counts["class"]]:
+            out.append(("class", classes[i][1], False))
     return out
 
 
-def asked_questions(engine, n: int, seed: int, batch_size: int) -> list[str]:
-    """n questions the engine's model asks when its chat template's user turn is opened,
-    sampled at temperature 1; those that end the turn with at least MIN_QUESTION_WORDS words."""
+def asked_questions(engine, n: int, seed: int, batch_size: int,
+                    openers: tuple[str, ...] = ("",)) -> list[str]:
+    """n questions the engine's model asks when its chat template's user turn is opened (with
+    the openers in turn, each question starting with its opener), sampled at temperature 1;
+    those that end the turn with at least MIN_QUESTION_WORDS words."""
     from lookahead_jax.sampling import Sampling  # noqa: PLC0415
     prefix = question_prefix(engine.tokenizer)
+    tok = engine.tokenizer
+    starts = [prefix + list(tok.encode(o, add_special_tokens=False)) for o in openers]
     eos = set(engine.eos_ids)
     out, round_ = [], 0
     while len(out) < n:
         if round_ > 20:
             raise RuntimeError(f"only {len(out)} of {n} questions after {round_} rounds")
-        res = engine.generate_ids([prefix] * batch_size, method="ar",
+        which = [(round_ * batch_size + i) % len(openers) for i in range(batch_size)]
+        res = engine.generate_ids([starts[w] for w in which], method="ar",
                                   sampling=Sampling(temperature=1.0),
                                   max_new_tokens=QUESTION_TOKENS, seed=seed * 1000 + round_)
-        for ids in res.tokens:
-            text = engine.decode(ids).strip()
+        for w, ids in zip(which, res.tokens):
+            text = (openers[w] + engine.decode(ids)).strip()
             if ids and ids[-1] in eos and len(text.split()) >= MIN_QUESTION_WORDS:
                 out.append(text)
         round_ += 1
     return out[:n]
 
 
-def build(student: str, out: pathlib.Path, *, prompts: int = 400, max_new_tokens: int = 128,
-          batch_size: int = 25, seed: int = 0, log=lambda m: None) -> dict:
+def build(student: str, out: pathlib.Path, *, prompts: int = 400, mix: str = "base",
+          max_new_tokens: int = 128, batch_size: int = 25, seed: int = 0,
+          log=lambda m: None) -> dict:
     """Writes onpolicy.npy / .jsonl / .json into `out` (see the module doc) -> the record."""
     import numpy as np  # noqa: PLC0415
 
@@ -132,12 +202,16 @@ def build(student: str, out: pathlib.Path, *, prompts: int = 400, max_new_tokens
     from train_looped import corpus  # noqa: PLC0415
 
     t0 = time.perf_counter()
-    counts = kind_counts(prompts)
+    counts = kind_counts(prompts, mix)
     rng = np.random.default_rng(seed)
     items = corpus_prompts(corpus.split_documents("train"), counts, rng)
     teacher = Engine.from_preset("smollm2_135m", dtype="float32")
     items += [("asked", q, True)
               for q in asked_questions(teacher, counts["asked"], seed, batch_size)]
+    if counts.get("roleplay"):
+        items += [("roleplay", q, True)
+                  for q in asked_questions(teacher, counts["roleplay"], seed + 1, batch_size,
+                                           ROLEPLAY_OPENERS)]
     log(f"{len(items)} prompts in {time.perf_counter() - t0:.0f} s")
     del teacher
     engine = Engine.from_preset("hf", ckpt=student, dtype="float32")
@@ -159,7 +233,8 @@ def build(student: str, out: pathlib.Path, *, prompts: int = 400, max_new_tokens
         for i, (kind, text, chat) in enumerate(items):
             f.write(json.dumps({"kind": kind, "chat": chat, "prompt": text,
                                 "answer": engine.decode(answers[i])}) + "\n")
-    record = {"student": str(student), "prompts": counts, "max_new_tokens": max_new_tokens,
+    record = {"student": str(student), "mix": mix, "prompts": counts,
+              "max_new_tokens": max_new_tokens,
               "seed": seed, "tokens": int(stream.size),
               "answer_tokens": int(sum(len(a) for a in answers.values())),
               "seconds": round(time.perf_counter() - t0, 1)}
@@ -169,7 +244,7 @@ def build(student: str, out: pathlib.Path, *, prompts: int = 400, max_new_tokens
 
 def main(argv) -> int:
     del argv
-    record = build(FLAGS.student, pathlib.Path(FLAGS.out), prompts=FLAGS.prompts,
+    record = build(FLAGS.student, pathlib.Path(FLAGS.out), prompts=FLAGS.prompts, mix=FLAGS.mix,
                    max_new_tokens=FLAGS.max_new_tokens, batch_size=FLAGS.batch_size,
                    seed=FLAGS.seed, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(record))
@@ -180,6 +255,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("student", None, "Exported looped model directory.", required=True)
     flags.DEFINE_string("out", None, "Output directory.", required=True)
     flags.DEFINE_integer("prompts", 400, "Prompts in all.")
+    flags.DEFINE_enum("mix", "base", list(MIXES), "The kinds' shares (MIXES).")
     flags.DEFINE_integer("max_new_tokens", 128, "Longest answer.")
     flags.DEFINE_integer("batch_size", 25, "Prompts decoded together.")
     flags.DEFINE_integer("seed", 0, "Fixes every choice.")
