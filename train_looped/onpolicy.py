@@ -34,6 +34,7 @@ decoding, up to --max_new_tokens, its EOS kept); documents are joined by <|endof
 
 from __future__ import annotations
 
+import ast
 import json
 import pathlib
 import re
@@ -99,7 +100,6 @@ def class_skeletons(text: str, max_methods: int = CLASS_METHODS,
     line and docstring, `__init__`'s signature with `pass`, and the first max_methods such
     methods' signatures and docstrings, bodies left out; skeletons over max_chars are left out.
     A source that does not parse gives none."""
-    import ast  # noqa: PLC0415
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
@@ -172,8 +172,8 @@ def asked_questions(engine, n: int, seed: int, batch_size: int,
     the openers in turn, each question starting with its opener), sampled at temperature 1;
     those that end the turn with at least MIN_QUESTION_WORDS words."""
     from lookahead_jax.sampling import Sampling  # noqa: PLC0415
-    prefix = question_prefix(engine.tokenizer)
     tok = engine.tokenizer
+    prefix = question_prefix(tok)
     starts = [prefix + list(tok.encode(o, add_special_tokens=False)) for o in openers]
     eos = set(engine.eos_ids)
     out, round_ = [], 0
