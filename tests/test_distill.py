@@ -80,6 +80,19 @@ def test_command_flags_set_the_recipe():
         config_from_flags({"replaced_layers": 6, "num_loops": 3})
 
 
+
+def test_every_recipe_flag_reaches_the_config():
+    """Each flag of the command but the run's own (--out, --workdir, --max_steps_this_run,
+    --progress) is a DistillConfig field that config_from_flags sets."""
+    from absl import flags  # noqa: PLC0415
+    from train_looped.distill import FLAG_FIELDS, config_from_flags, define_flags  # noqa: PLC0415
+    define_flags()
+    mine = {f.name for f in flags.FLAGS.get_flags_for_module(distill.__name__)}
+    run_only = {"out", "workdir", "max_steps_this_run", "progress"}
+    assert mine - run_only == set(FLAG_FIELDS)
+    assert set(FLAG_FIELDS) <= {f.name for f in dataclasses.fields(distill.DistillConfig)}
+    assert config_from_flags({"seed": 3}).seed == 3 and config_from_flags({}).seed == 0
+
 def test_chat_documents_keep_their_turns():
     from train_looped.corpus import chat_messages, chat_text  # noqa: PLC0415
     msgs = chat_messages(chat_text("How many legs?\n", "Four.\n\n#### 4"))

@@ -38,7 +38,7 @@ forward for the teacher and forward and backward for the student, at each depth 
 Data: the offline corpus of `train_looped.corpus` (train split only), each source tokenized
 with SmolLM2's tokenizer, the chat pairs (GSM8K train, the Python FAQ) through its chat
 template, documents joined by <|endoftext|>; a batch draws `seq_len` windows at offsets fixed
-by (seed, step) from the sources in the proportions `mixture`. Held-out: the corpus's held-out
+by (--seed, step) from the sources in the proportions `mixture`. Held-out: the corpus's held-out
 split, evaluated through the coda at every depth (cross-entropy, and top-1 agreement with the
 teacher and with the full depth).
 
@@ -47,6 +47,8 @@ model's, and --onpolicy_share=S (with it) draws round(S * batch_size) rows of ev
 that model's own greedy answers to --onpolicy_prompts prompts of no benchmark set, of the kinds
 --onpolicy_mix names (`train_looped.onpolicy`, built into the workdir on first use), so the KL
 corrects the student where its greedy decoding goes rather than only on text people wrote.
+--seed also picks those prompts, so a second round (--init_from the first round's export,
+another --seed) answers prompts the first did not.
 
 Training saves an Orbax checkpoint to --workdir every few minutes and on Ctrl-C; running the
 same command again resumes. --steps larger than the workdir's recorded step count extends the
@@ -561,6 +563,8 @@ def define_flags() -> None:
     flags.DEFINE_string("onpolicy_mix", None, "Kinds of those prompts: base (default) or broad "
                         "(adds role-play questions and class skeletons; "
                         "`train_looped.onpolicy.MIXES`).")
+    flags.DEFINE_integer("seed", None, "Fixes the batches' windows and the on-policy prompts "
+                         "(default 0).")
     flags.DEFINE_integer("max_steps_this_run", None, "Stop after this many steps (resumable).")
     flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
@@ -568,7 +572,7 @@ def define_flags() -> None:
 FLAG_FIELDS = ("steps", "minutes", "batch_size", "prelude_layers", "replaced_layers",
                "core_layers", "num_loops", "out_scale", "loop_weights", "peak_lr", "kl_weight",
                "kl_every_depth", "init_from", "onpolicy_share", "onpolicy_prompts",
-               "onpolicy_mix")
+               "onpolicy_mix", "seed")
 
 
 def config_from_flags(values: dict) -> DistillConfig:
