@@ -122,6 +122,9 @@ CONFIGS = {
     # the same drafter for SmolLM2 with one layer looped twice (its loop-1 states)
     "smol_loop_r2": for_preset("smol_loop_r2", "smol_loop_r2", draft_depth=1, num_train=256,
                                num_dev=32, num_confirm=32, anchor="model", **_TINY),
+    # and for SmolLM2 with two layers looped twice (its loop-1 states)
+    "smol_loop_2x2": for_preset("smol_loop_2x2", "smol_loop_2x2", draft_depth=1, num_train=256,
+                                num_dev=32, num_confirm=32, anchor="model", **_TINY),
     # Raven's residual head: the shipped depth-2 drafter, frozen, drafting from loop 4's states
     # (better native proposals) through a 64-wide residual head trained on them
     "tiny_raven_r4": for_preset("tiny_raven_r4", "tiny_raven", draft_depth=4, residual=64,

@@ -10,6 +10,11 @@ one shared block run R times, the block trained to reproduce the replaced layers
         --replaced_layers=2 --core_layers=1 --num_loops=2 --out_scale=1 --loop_weights=1,1 \
         --kl_weight=1 --kl_every_depth --minutes=45
 
+    # checkpoints/smol_loop_2x2: two layers run twice in place of layers 14-15, the same loss
+    python -m train_looped.distill --out=checkpoints/smol_loop_2x2 --prelude_layers=14 \
+        --replaced_layers=2 --core_layers=2 --num_loops=2 --out_scale=0.5 --loop_weights=1,1 \
+        --kl_weight=1 --kl_every_depth --minutes=45
+
 The student (`models.recursive`, family "recursive"): SmolLM2's embedding and its first
 `prelude_layers` layers (the prelude, frozen), a block of `core_layers` pre-norm Llama layers run
 `num_loops` times (the loop, trained), SmolLM2's remaining last layers (the coda, frozen), its
