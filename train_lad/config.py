@@ -110,6 +110,8 @@ def for_preset(name: str, preset: str, **settings) -> LadConfig:
 # teacher data it drafts as well as head "vocab" (tiny_ouro, 192 training prompts, 150 steps:
 # dev / confirmation accepted prefix 3.41 / 3.46 against 3.42 / 3.46).
 _TINY = dict(hidden_size=256, num_heads=4, steps=200, head="model")
+# SmolLM2 made recursive: the tiny drafter on loop 1's states (the comment below says why)
+_SMOL = dict(draft_depth=1, num_train=256, num_dev=32, num_confirm=32, anchor="model", **_TINY)
 CONFIGS = {
     "tiny_ouro": for_preset("tiny_ouro", "tiny_ouro", draft_depth=1, **_TINY),
     "tiny_raven": for_preset("tiny_raven", "tiny_raven", draft_depth=2, **_TINY),
@@ -117,14 +119,10 @@ CONFIGS = {
     # drafter on loop 1's states, fewer teacher prompts (its continuations cost a real model's
     # decoding on the CPU); anchors embedded through the model's own embedding, so that the
     # drafter file holds no 49,152-row table (8 MB instead of 58 MB)
-    "smol_loop": for_preset("smol_loop", "smol_loop", draft_depth=1, num_train=256, num_dev=32,
-                            num_confirm=32, anchor="model", **_TINY),
-    # the same drafter for SmolLM2 with one layer looped twice (its loop-1 states)
-    "smol_loop_r2": for_preset("smol_loop_r2", "smol_loop_r2", draft_depth=1, num_train=256,
-                               num_dev=32, num_confirm=32, anchor="model", **_TINY),
-    # and for SmolLM2 with two layers looped twice (its loop-1 states)
-    "smol_loop_2x2": for_preset("smol_loop_2x2", "smol_loop_2x2", draft_depth=1, num_train=256,
-                                num_dev=32, num_confirm=32, anchor="model", **_TINY),
+    "smol_loop": for_preset("smol_loop", "smol_loop", **_SMOL),
+    # the same drafter for SmolLM2 with one layer looped twice, and with two (loop-1 states)
+    "smol_loop_r2": for_preset("smol_loop_r2", "smol_loop_r2", **_SMOL),
+    "smol_loop_2x2": for_preset("smol_loop_2x2", "smol_loop_2x2", **_SMOL),
     # Raven's residual head: the shipped depth-2 drafter, frozen, drafting from loop 4's states
     # (better native proposals) through a 64-wide residual head trained on them
     "tiny_raven_r4": for_preset("tiny_raven_r4", "tiny_raven", draft_depth=4, residual=64,
