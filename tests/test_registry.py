@@ -177,8 +177,17 @@ def test_cli_calibrated_retention(depth2_drafter, tmp_path):
 
 def test_cli_suspend_below(depth2_drafter, tmp_path):
     """--suspend_below reaches LoopAhead when sampling (default 0: no child pauses; under a
-    budget 1); greedy decoding and a threshold outside [0, 1] are refused clearly."""
+    budget 1); greedy decoding and a threshold outside [0, 1] are refused clearly. The defaults
+    are read from the built method (nothing compiles); one sampled CLI run shows the flag
+    reaching the run's record."""
     from lookahead_jax import decode  # noqa: PLC0415
+    cfg = load_preset("tiny_raven").model
+    for given, budget, sampling, want in ((None, None, SAMPLED, 0.0), (1.0, None, SAMPLED, 1.0),
+                                          (None, 4, SAMPLED, 1.0), (0.0, 4, SAMPLED, 0.0),
+                                          (None, 4, Sampling(), 0.0)):  # greedy: stays 0
+        method = build_method("loopahead", sampling=sampling, model_config=cfg,
+                              lad=depth2_drafter, suspend_below=given, max_active=budget)
+        assert method.suspend_below == want, (given, budget, sampling)
     out = tmp_path / "run.json"
 
     def run(**kw):
@@ -189,14 +198,9 @@ def test_cli_suspend_below(depth2_drafter, tmp_path):
                           stdin=io.StringIO(""), stdout=io.StringIO(), stderr=err)
         return code, err.getvalue()
 
-    for given, budget, want in ((None, None, 0.0), (1.0, None, 1.0), (None, 4, 1.0),
-                                (0.0, 4, 0.0)):
-        code, _ = run(temperature=0.7, suspend_below=given, max_active=budget)
-        assert code == 0
-        assert json.loads(out.read_text())["results"][0]["stats"]["extra"]["suspend_below"] == want
-    code, _ = run(max_active=4)  # greedy under a budget: the default stays 0, not refused
+    code, _ = run(temperature=0.7, suspend_below=0.5)
     assert code == 0
-    assert json.loads(out.read_text())["results"][0]["stats"]["extra"]["suspend_below"] == 0.0
+    assert json.loads(out.read_text())["results"][0]["stats"]["extra"]["suspend_below"] == 0.5
     code, err = run(suspend_below=1.0)
     assert code == 2 and "suspend_below applies when sampling" in err
     code, err = run(temperature=0.7, suspend_below=1.5)
