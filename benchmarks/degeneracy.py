@@ -1,6 +1,7 @@
 """How degenerate a model's greedy text is, on the benchmark prompts (#21's yardstick).
 
-    python -m benchmarks.degeneracy [--config smollm2_135m] [--ckpt PATH] [--num_prompts 20]
+    python -m benchmarks.degeneracy [--config smollm2_135m] [--ckpt PATH] [--dtype bfloat16]
+        [--num_prompts 20]
         [--max_new_tokens 128] [--batch_size 5] [--sets mt_bench,humaneval,gsm8k,mbpp,classeval]
         [--data_dir ../shared/data] [--out benchmarks/results] [--tag NAME]
 
@@ -31,6 +32,8 @@ import os
 import sys
 import time
 from typing import Sequence
+
+import numpy as np
 
 from benchmarks import common
 from lookahead_jax.generation import bucket_length
@@ -127,6 +130,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="smollm2_135m")
     ap.add_argument("--ckpt", default=None)
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                    help="the weights' and activations' dtype (default: the preset's); the same "
+                         "model in another dtype shows how far the statistics move with the "
+                         "numerics alone")
     ap.add_argument("--sets", default=",".join(common.DATASETS))
     ap.add_argument("--num_prompts", type=int, default=20)
     ap.add_argument("--max_new_tokens", type=int, default=128)
@@ -144,7 +151,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown data set {unknown[0]!r} (known: {', '.join(common.DATASETS)})"
                  if unknown else "--num_prompts, --max_new_tokens and --batch_size must be >= 1")
     from lookahead_jax.engine import Engine  # noqa: PLC0415
-    engine = Engine.from_preset(args.config, ckpt=args.ckpt)
+    engine = Engine.from_preset(args.config, ckpt=args.ckpt, dtype=args.dtype)
     results = run(engine, sets, args.num_prompts, args.max_new_tokens, args.data_dir,
                   args.batch_size, args.max_positions,
                   log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -153,7 +160,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     path = common.write_json(
         os.path.join(args.out, f"degeneracy_{args.tag or args.config}.json"),
-        {"config": args.config, "ckpt": args.ckpt, "max_new_tokens": args.max_new_tokens,
+        {"config": args.config, "ckpt": args.ckpt, "dtype": np.dtype(engine.dtype).name,
+         "max_new_tokens": args.max_new_tokens,
          "max_positions": args.max_positions,
          "machine": common.machine_info(), "sets": results})
     print(f"wrote {path}", file=sys.stderr)

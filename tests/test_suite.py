@@ -331,3 +331,24 @@ def test_degeneracy_smoke(tiny_engine, tmp_path):
     short = degeneracy.run(tiny_engine, ["gsm8k"], 3, 8, data, max_positions=39)
     assert short["gsm8k"]["too_long"] == [0, 1, 2] and short["gsm8k"]["outputs"] == []
     assert degeneracy.fits(31, 8, 40) and not degeneracy.fits(33, 8, 64)
+
+
+def test_degeneracy_main_in_another_dtype(tmp_path):
+    """The command line on the shipped tiny_ouro in bfloat16 (--dtype): its file records the
+    dtype, and the outputs are that dtype's greedy outputs, not the preset's float32 ones."""
+    from benchmarks import degeneracy  # noqa: PLC0415
+    from lookahead_jax.engine import Engine  # noqa: PLC0415
+    os.makedirs(tmp_path / "data")
+    data = write_data(tmp_path / "data", n=2)
+    out = tmp_path / "out"
+    argv = ["--config", "tiny_ouro", "--sets", "gsm8k", "--num_prompts", "2",
+            "--max_new_tokens", "6", "--data_dir", data, "--out", str(out), "--tag", "t"]
+    assert degeneracy.main(argv + ["--dtype", "bfloat16"]) == 0
+    rec = json.loads((out / "degeneracy_t.json").read_text())
+    assert rec["dtype"] == "bfloat16" and rec["config"] == "tiny_ouro"
+    engine = Engine.from_preset("tiny_ouro", dtype="bfloat16")
+    prompts = common.encoded_prompts(engine, "gsm8k", 2, data)
+    assert [o["ids"] for o in rec["sets"]["gsm8k"]["outputs"]] == engine.generate_ids(
+        prompts, method="ar", max_new_tokens=6).tokens
+    with pytest.raises(SystemExit):
+        degeneracy.main(argv + ["--dtype", "float16"])
