@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from models.recursive import RecursiveLM, from_llama
 from test_gguf import E, F, H, HKV, L, V, gguf_tensors, hf_weights, write_gguf  # noqa: E402
 
 B, T = 2, 7
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _llama(num_layers: int, seed: int = 0) -> Llama:
@@ -194,6 +196,37 @@ def _shipped(name: str):
         pytest.skip(f"SmolLM2 not available ({e})")
     from lookahead_jax.engine import Engine  # noqa: PLC0415
     return Engine.from_preset(name)
+
+
+def test_shipped_block_takes_the_base_models_tokenizer(tmp_path):
+    """A shipped SmolLM2-made-recursive checkpoint holds no tokenizer files: the loader gives it
+    SmolLM2's, read from the base GGUF (the same vocabulary, chat template and ids as the
+    tokenizer.json such checkpoints used to copy); tokenizer files in the directory still take
+    precedence."""
+    import shutil  # noqa: PLC0415
+
+    from lookahead_jax.store.checkpoint import (has_tokenizer_files,  # noqa: PLC0415
+                                                load_model_and_tokenizer)
+    from lookahead_jax.store.model_store import smollm2_gguf  # noqa: PLC0415
+    from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
+    from lookahead_jax.store.tokenizer import encode_prompt, load_tokenizer  # noqa: PLC0415
+    _shipped("smol_loop_2x2")  # skips without the checkpoint or SmolLM2
+    preset = load_preset("smol_loop_2x2")
+    for name in ("smol_loop", "smol_loop_r2", "smol_loop_2x2"):
+        assert not has_tokenizer_files(load_preset(name).checkpoint), name
+    _, tok, _ = load_model_and_tokenizer(preset)
+    base = load_tokenizer(smollm2_gguf(download=False))
+    assert tok.get_vocab() == base.get_vocab() and tok.chat_template == base.chat_template
+    text = "def f(x):\n    return x ** 2  # squares"
+    assert encode_prompt(tok, text, chat=True) == encode_prompt(base, text, chat=True)
+    assert encode_prompt(tok, text, chat=False) == encode_prompt(base, text, chat=False)
+    own = tmp_path / "ckpt"
+    shutil.copytree(preset.checkpoint, own)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copyfile(os.path.join(REPO, "checkpoints", "tiny_ouro", f), own / f)
+    _, tok, _ = load_model_and_tokenizer(preset, own)
+    assert len(tok) == len(load_tokenizer(os.path.join(REPO, "checkpoints", "tiny_ouro")))
+    assert len(tok) != len(base)
 
 
 @pytest.mark.parametrize("name,margin", [("smol_loop", 0.1), ("smol_loop_r2", 0.05),

@@ -649,8 +649,10 @@ def model_config(cfg: DistillConfig, teacher_cfg):
 
 
 def export(cfg: DistillConfig, state, workdir: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    """Writes the block (bfloat16) over the base GGUF, SmolLM2's tokenizer, the training record
-    with the held-out table of the shipped (bfloat16-rounded) block, and the training log."""
+    """Writes the block (bfloat16) over the base GGUF, the training record with the held-out
+    table of the shipped (bfloat16-rounded) block, and the training log. No tokenizer files:
+    the loader takes SmolLM2's tokenizer from the base GGUF
+    (`lookahead_jax.store.checkpoint.load_model_and_tokenizer`)."""
     import shutil  # noqa: PLC0415
 
     import jax  # noqa: PLC0415
@@ -704,7 +706,6 @@ def export(cfg: DistillConfig, state, workdir: pathlib.Path, out: pathlib.Path) 
         shutil.rmtree(out)
     save_hf_looped(model, out, base_model=base, dtype=ml_dtypes.bfloat16,
                    extra={"torch_dtype": "bfloat16", "training": training})
-    tok.save_pretrained(out)
     shutil.copyfile(workdir / "metrics.jsonl", out / "metrics.jsonl")
     return out
 

@@ -73,6 +73,13 @@ def base_weights(source: str | os.PathLike) -> str | None:
                       f"one the model store provides")
 
 
+def has_tokenizer_files(directory: str | os.PathLike) -> bool:
+    """Whether a checkpoint directory ships its own tokenizer (tokenizer.json, or a
+    sentencepiece tokenizer.model)."""
+    return any(os.path.isfile(os.path.join(directory, name))
+               for name in ("tokenizer.json", "tokenizer.model"))
+
+
 def load_model_and_tokenizer(preset: Preset, ckpt: str | os.PathLike | None = None,
                              dtype: str | None = None, mesh=None):
     """Loads the preset's weights (or `ckpt`) -> (model, tokenizer or None, source description).
@@ -82,7 +89,9 @@ def load_model_and_tokenizer(preset: Preset, ckpt: str | os.PathLike | None = No
     load whole and the engine shards them).
 
     The model is a `Llama`, or a `LoopedLM` when the preset's model is a LoopedConfig or the
-    checkpoint directory's config.json names a looped model (Ouro, Huginn/Raven)."""
+    checkpoint directory's config.json names a looped model (Ouro, Huginn/Raven). A looped
+    checkpoint that ships only its block over a base model (`base_weights`) and no tokenizer
+    files takes the base model's tokenizer (SmolLM2's, from its GGUF)."""
     jdtype = resolve_dtype(dtype, preset)
     source = os.fspath(ckpt) if ckpt is not None else preset.checkpoint
     if source is None:
@@ -96,10 +105,14 @@ def load_model_and_tokenizer(preset: Preset, ckpt: str | os.PathLike | None = No
     if source == EMBEDDED:
         source = os.fspath(smollm2_gguf())
     looped = isinstance(preset.model, LoopedConfig)
+    tokenizer_source = source
     if os.path.isdir(source):
         if looped or is_looped_checkpoint(source):
             check_model_matches(preset, load_looped_config(source), source)
-            model = load_hf_looped(source, dtype=jdtype, mesh=mesh, base=base_weights(source))
+            base = base_weights(source)
+            model = load_hf_looped(source, dtype=jdtype, mesh=mesh, base=base)
+            if base is not None and not has_tokenizer_files(source):
+                tokenizer_source = base  # a block over the base model: the base's tokenizer
         else:
             check_model_matches(preset, load_hf_config(source), source)
             model = load_hf_llama(source, dtype=jdtype, mesh=mesh)
@@ -117,4 +130,4 @@ def load_model_and_tokenizer(preset: Preset, ckpt: str | os.PathLike | None = No
         raise ConfigError(f"checkpoint {source} is neither a directory nor a file")
     else:
         raise ConfigError(f"checkpoint {source} does not exist")
-    return model, load_tokenizer(source), source
+    return model, load_tokenizer(tokenizer_source), source
