@@ -1,9 +1,9 @@
 """How degenerate a model's greedy text is, on the benchmark prompts (#21's yardstick).
 
     python -m benchmarks.degeneracy [--config smollm2_135m] [--ckpt PATH] [--dtype bfloat16]
-        [--num_prompts 20]
-        [--max_new_tokens 128] [--batch_size 5] [--sets mt_bench,humaneval,gsm8k,mbpp,classeval]
-        [--data_dir ../shared/data] [--out benchmarks/results] [--tag NAME]
+        [--num_prompts 20] [--max_new_tokens 128] [--batch_size 5]
+        [--sets mt_bench,humaneval,gsm8k,mbpp,classeval] [--data_dir ../shared/data]
+        [--out benchmarks/results] [--tag NAME]
 
 A looped model trained here is only worth drafting for if it writes text as a real model does:
 #21 asks that its greedy outputs be no more degenerate than SmolLM2-135M-Instruct's on the same
@@ -19,9 +19,11 @@ is scored:
   text that never repeats a 4-gram, near 0 for a loop.
 - eos: the output ended with an end-of-sequence token before --max_new_tokens.
 
-Prompts too long for the model (or for --max_positions) are left out and counted. Per set: the
-share of outputs ending in a cycle, the mean distinct-4 ratio, the share ending at
-EOS, the mean length. Prints a Markdown table and writes degeneracy_<tag>.json (every output's
+--dtype runs the model in another dtype than its preset's (bfloat16 for a float32 preset): the
+same model with other numerics, a yardstick for how far these statistics move when nothing but
+rounding changes. Prompts too long for the model (or for --max_positions) are left out and
+counted. Per set: the share of outputs ending in a cycle, the mean distinct-4 ratio, the share
+ending at EOS, the mean length. Prints a Markdown table and writes degeneracy_<tag>.json (every output's
 ids, text and scores) into --out.
 """
 
