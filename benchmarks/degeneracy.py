@@ -23,8 +23,8 @@ is scored:
 same model with other numerics, a yardstick for how far these statistics move when nothing but
 rounding changes. Prompts too long for the model (or for --max_positions) are left out and
 counted. Per set: the share of outputs ending in a cycle, the mean distinct-4 ratio, the share
-ending at EOS, the mean length. Prints a Markdown table and writes degeneracy_<tag>.json (every output's
-ids, text and scores) into --out.
+ending at EOS, the mean length. Prints a Markdown table and writes degeneracy_<tag>.json (every
+output's ids, text and scores) into --out.
 """
 
 from __future__ import annotations

@@ -180,11 +180,9 @@ def test_loopspec_and_loopahead_decode_it_as_plain():
         assert got.tokens == plain, method
 
 
-def _shipped(name: str):
-    """The engine of a shipped SmolLM2-made-recursive preset, or skip: its block is in
+def _skip_unless_shipped(name: str) -> None:
+    """Skips unless a shipped SmolLM2-made-recursive preset can load: its block is in
     checkpoints/<name>, its other layers in the embedded SmolLM2 GGUF."""
-    import os  # noqa: PLC0415
-
     from lookahead_jax.store.model_store import smollm2_gguf  # noqa: PLC0415
     from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
     from models.config import ConfigError  # noqa: PLC0415
@@ -194,7 +192,12 @@ def _shipped(name: str):
         smollm2_gguf(download=False)
     except ConfigError as e:
         pytest.skip(f"SmolLM2 not available ({e})")
+
+
+def _shipped(name: str):
+    """The engine of a shipped SmolLM2-made-recursive preset, or skip."""
     from lookahead_jax.engine import Engine  # noqa: PLC0415
+    _skip_unless_shipped(name)
     return Engine.from_preset(name)
 
 
@@ -210,7 +213,7 @@ def test_shipped_block_takes_the_base_models_tokenizer(tmp_path):
     from lookahead_jax.store.model_store import smollm2_gguf  # noqa: PLC0415
     from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
     from lookahead_jax.store.tokenizer import encode_prompt, load_tokenizer  # noqa: PLC0415
-    _shipped("smol_loop_2x2")  # skips without the checkpoint or SmolLM2
+    _skip_unless_shipped("smol_loop_2x2")
     preset = load_preset("smol_loop_2x2")
     for name in ("smol_loop", "smol_loop_r2", "smol_loop_2x2"):
         assert not has_tokenizer_files(load_preset(name).checkpoint), name
