@@ -352,3 +352,41 @@ def test_degeneracy_main_in_another_dtype(tmp_path):
         prompts, method="ar", max_new_tokens=6).tokens
     with pytest.raises(SystemExit):
         degeneracy.main(argv + ["--dtype", "float16"])
+
+
+def _scored(d4s, cycles=(), first=0):
+    """A `degeneracy.run`-shaped set of outputs with the given distinct-4 scores."""
+    return {"outputs": [{"prompt": first + i, "scores": {"distinct4": d, "cycle": int(
+        i in cycles)}} for i, d in enumerate(d4s)]}
+
+
+def test_degeneracy_compare(tmp_path, capsys):
+    """--compare pairs two files' outputs by prompt: a constant gap has a zero-width interval
+    at that gap; a gap that differs in sign between prompts straddles zero; prompts or sets
+    only one side scored are left out; two files with nothing in common are an error."""
+    from benchmarks import degeneracy  # noqa: PLC0415
+    a = {"gsm8k": _scored([0.5] * 6, cycles=(1,)), "mbpp": _scored([1.0, 0.2, 1.0, 0.2]),
+         "humaneval": _scored([0.9])}
+    b = {"gsm8k": _scored([0.9] * 5, first=1), "mbpp": _scored([0.2, 1.0, 0.2, 1.0])}
+    cmp = degeneracy.compare(a, b, resamples=2000)
+    g = cmp["gsm8k"]
+    assert g["prompts"] == 5 and g["cycles_a"] == 1 and g["cycles_b"] == 0
+    assert g["diff"] == pytest.approx(-0.4) and g["low"] == pytest.approx(-0.4)
+    assert g["high"] == pytest.approx(-0.4)
+    m = cmp["mbpp"]
+    assert m["diff"] == pytest.approx(0.0) and m["low"] < -0.2 and m["high"] > 0.2
+    assert "humaneval" not in cmp and cmp["all"]["prompts"] == 9
+    assert cmp["all"]["diff"] == pytest.approx(-0.4 * 5 / 9)
+    assert degeneracy.compare(a, b, resamples=2000, seed=3)["mbpp"]["low"] < 0
+    with pytest.raises(ValueError, match="no scored prompt"):
+        degeneracy.compare({"gsm8k": _scored([0.5])}, {"gsm8k": _scored([0.5], first=1)})
+    paths = []
+    for name, sets in (("a", a), ("b", b)):
+        paths.append(str(tmp_path / f"{name}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump({"config": name, "dtype": "float32", "sets": sets}, f)
+    assert degeneracy.main(["--compare", *paths, "--resamples", "500"]) == 0
+    printed = capsys.readouterr().out
+    assert "| gsm8k | 5 | 1 / 0 | 0.500 / 0.900 | -0.400 [-0.400, -0.400] |" in printed
+    with pytest.raises(SystemExit):
+        degeneracy.main(["--compare", paths[0], str(tmp_path / "missing.json")])
