@@ -30,13 +30,14 @@ output's ids, text and scores) into --out.
 --compare reads two such files (no model is loaded) and pairs their outputs prompt by prompt,
 per set and over all sets: outputs ending in a cycle in each, the mean distinct-4 difference
 A - B and its 95% paired bootstrap interval (prompts resampled with replacement, --resamples
-times). One output's distinct-4 ranges from 0.2 to 1.0, so at 20 prompts a set a mean moves by
-several hundredths with the prompts drawn; the interval says whether a gap is more than that.
+times). One output's distinct-4 ranges from under 0.2 to 1.0, so at 20 prompts a set a mean moves
+by several hundredths with the prompts drawn; the interval says whether a gap is more than that.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -179,11 +180,12 @@ def compare_table(cmp: dict) -> str:
 
 
 def _compare_main(paths: Sequence[str], resamples: int, seed: int) -> int:
-    import json  # noqa: PLC0415
     docs = []
     for path in paths:
         with open(path) as f:
             docs.append(json.load(f))
+        if not isinstance(docs[-1], dict) or "sets" not in docs[-1]:
+            raise SystemExit(f"{path} is not a benchmarks.degeneracy results file (no 'sets')")
     cmp = compare(docs[0]["sets"], docs[1]["sets"], resamples, seed)
     said = [f"{p} ({d.get('config')}, {d.get('dtype') or 'its preset dtype'})"
             for p, d in zip(paths, docs)]

@@ -390,3 +390,6 @@ def test_degeneracy_compare(tmp_path, capsys):
     assert "| gsm8k | 5 | 1 / 0 | 0.500 / 0.900 | -0.400 [-0.400, -0.400] |" in printed
     with pytest.raises(SystemExit):
         degeneracy.main(["--compare", paths[0], str(tmp_path / "missing.json")])
+    (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
+    with pytest.raises(SystemExit, match="not a benchmarks.degeneracy results file"):
+        degeneracy.main(["--compare", paths[0], str(tmp_path / "other.json")])
