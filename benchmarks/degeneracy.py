@@ -220,9 +220,10 @@ def main(argv=None) -> int:
         missing = [p for p in args.compare if not os.path.isfile(p)]
         if missing:
             ap.error(f"no such file: {missing[0]}")
-        if args.resamples < 1:
-            ap.error("--resamples must be >= 1")
-        return _compare_main(args.compare, args.resamples, args.seed)
+        try:
+            return _compare_main(args.compare, args.resamples, args.seed)
+        except ValueError as e:  # compare's own checks: --resamples, prompts in common
+            ap.error(str(e))
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     unknown = [s for s in sets if s not in common.PROMPT_SETS]
     if unknown or min(args.num_prompts, args.max_new_tokens, args.batch_size) < 1:
