@@ -24,6 +24,18 @@ instead and kept). The CLI's own cache in the model cache directory
 (`lookahead_jax.decode.enable_compile_cache`) then stays out of the tests, so no run reuses
 programs compiled by an earlier one.
 
+Quick XLA compilation on CPU: for the tests' small programs compiling takes far longer than
+running, so the run asks XLA's CPU backend for quick code generation (`FAST_CPU_COMPILE`: LLVM
+without optimisation, the older fusion emitters, one codegen split; together about a fifth off
+a test file's time here). They change how a program is compiled, not what it computes (no
+fast math either way); at most a result rounds differently in its last bit (where LLVM would
+fuse a multiply and an add), which the lossless tests, comparing two decoding paths compiled the
+same way, do not depend on; and the golden ids, recorded with XLA's defaults, reproduce under
+them (test_golden_ids.py). They go before any XLA_FLAGS given in the environment, which thus
+win; child processes inherit them; LOOKAHEAD_JAX_TESTS_XLA_DEFAULTS=1 leaves XLA's defaults; on
+a machine with a GPU or TPU plugin installed they are left out (LLVM's optimisation level
+applies to GPU code too).
+
 Heaviest files first: with `-n 2 --dist loadfile` each process takes the next whole file when it
 nears the end of its current one, so a long file taken last leaves the other process idle for
 most of its run. `HEAVY_FIRST` (the files that take longest in CI, longest first) are collected
@@ -44,6 +56,21 @@ import shutil
 import tempfile
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+FAST_CPU_COMPILE = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                    "--xla_cpu_parallel_codegen_split_count=1")
+
+
+def _accelerator_plugin_installed() -> bool:
+    from importlib import metadata  # noqa: PLC0415
+    names = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in metadata.distributions()}
+    return any(n.startswith(("jax-cuda", "jax-rocm", "libtpu")) for n in names)
+
+
+if (not os.environ.get("LOOKAHEAD_JAX_TESTS_XLA_DEFAULTS")
+        and FAST_CPU_COMPILE not in os.environ.get("XLA_FLAGS", "")  # a child: inherited
+        and not _accelerator_plugin_installed()):
+    os.environ["XLA_FLAGS"] = f"{FAST_CPU_COMPILE} {os.environ.get('XLA_FLAGS', '')}".strip()
 # the run's compilation cache: created by the first pytest process, inherited by the others
 _RUN_CACHE = None
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
