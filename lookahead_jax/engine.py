@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -104,17 +104,41 @@ def preset_devices(preset) -> int:
     return len(jax.local_devices()) if preset.parallel else 1
 
 
+def check_compiler_options(options) -> dict[str, bool | int | float | str] | None:
+    """XLA compiler options as `jax.jit` takes them: a mapping of option names (no leading
+    dashes) to a bool, int, float or str; None or an empty mapping: none."""
+    if not options:
+        return None
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"compiler_options must be a mapping of XLA option names to values, "
+                          f"got {options!r}")
+    for name, value in options.items():
+        if not isinstance(name, str) or not name or name.startswith("-"):
+            raise ConfigError(f"compiler option names are XLA's without the leading dashes "
+                              f"(e.g. 'xla_gpu_autotune_level'), got {name!r}")
+        if not isinstance(value, (bool, int, float, str)):
+            raise ConfigError(f"compiler option {name!r}: a bool, int, float or str, got "
+                              f"{value!r}")
+    return dict(options)
+
+
 class Engine:
     """A loaded model (and optionally its tokenizer) ready to generate."""
 
     def __init__(self, model: nnx.Module, tokenizer=None, *, eos_ids: Sequence[int] | None = None,
                  lookahead: LookaheadConfig | None = None, chat: bool = True,
                  cache_len: int | None = None, attention: Any = "dense", devices: int = 1,
-                 mesh: Mesh | MeshShape | str | None = None):
+                 mesh: Mesh | MeshShape | str | None = None,
+                 compiler_options: Mapping[str, bool | int | float | str] | None = None):
         """mesh: a (lookahead, model) device mesh (`lookahead_jax.mesh`), e.g.
         "lookahead:2,model:4": parameters and cache sharded over its model axis (tensor
         parallelism; attention then dense, "auto" included), lookahead parallelism over its
-        lookahead axis (which then sets `devices`)."""
+        lookahead axis (which then sets `devices`).
+
+        compiler_options: XLA options for this engine's programs only (the prefill and the
+        decoding loop), e.g. {"xla_gpu_autotune_level": 0}, given as XLA_FLAGS would name them
+        without the leading dashes; they override XLA_FLAGS for these programs, and XLA refuses
+        an option it does not know when the first program compiles."""
         self.config: LlamaConfig | Any = model.config  # LlamaConfig or LoopedConfig
         self.dtype = model.dtype
         self._model_cache = model.init_cache  # (batch, max_len, dtype) -> the model's cache
@@ -142,6 +166,7 @@ class Engine:
         self.cache_len = cache_len
         self.attention = attention  # lookahead steps: 'dense' | 'pallas' | 'auto' | a function
         self.devices = devices  # lookahead parallelism over this many local devices (1 = off)
+        self.compiler_options = check_compiler_options(compiler_options)
         self._compiled: dict = {}
 
     def _init_cache(self, batch: int, max_len: int, dtype):
@@ -211,14 +236,16 @@ class Engine:
         if key not in self._compiled:
             t0 = time.perf_counter()
             if self.mesh is None:
-                self._compiled[key] = _JITTED[kind].lower(*statics, *args).compile()
+                self._compiled[key] = _JITTED[kind].lower(*statics, *args).compile(
+                    self.compiler_options)
             else:  # every program leaves the state laid out as `state_shardings` says
                 base, static, donate = _PROGRAMS[kind]
                 with jax.set_mesh(self.mesh):
                     state = jax.eval_shape(functools.partial(base, *statics), *args)
                     fn = jax.jit(base, static_argnums=static, donate_argnums=donate,
                                  out_shardings=state_shardings(state, self.mesh))
-                    self._compiled[key] = fn.lower(*statics, *args).compile()
+                    self._compiled[key] = fn.lower(*statics, *args).compile(
+                        self.compiler_options)
             return self._compiled[key], time.perf_counter() - t0
         return self._compiled[key], 0.0
 

@@ -29,8 +29,10 @@ running, so the run asks XLA's CPU backend for quick code generation (`FAST_CPU_
 without optimisation, the older fusion emitters, one codegen split). In CI's full run here the
 suite took 29.5 min instead of 35.3 (30.4 in the file order before HEAVY_FIRST's below):
 compile-bound files halve (test_loopahead.py 348 -> 164 s of test time, test_train_lad.py
-205 -> 77 s), while the files that run thousands of sampled generations slow down
-(test_loopahead_sampling.py 347 -> 742 s), unoptimised code running slower. The flags change
+205 -> 77 s), while the files that run thousands of sampled generations slowed down
+(test_loopahead_sampling.py 347 -> 742 s), unoptimised code running slower: so their long-running
+programs are compiled with LLVM's optimisation back (`sampling_checks.long_run_options`, an
+engine's `compiler_options`; its budget test alone: 125 s -> 42 s). The flags change
 how a program is compiled, not what it computes (no fast math either way); at most a result
 rounds differently in its last bit (where LLVM would fuse a multiply and an add), which the
 lossless tests, comparing two decoding paths compiled the same way, do not depend on; and the

@@ -26,7 +26,7 @@ from lookahead_jax.sampling import Sampling
 from models.build import build_looped
 from models.config import ConfigError, LoopedConfig
 from models.looped import LoopedLM
-from sampling_checks import chi_square  # noqa: E402
+from sampling_checks import chi_square, long_run_options  # noqa: E402
 from test_looped import CONFIGS, _perturb_norms  # noqa: E402
 
 
@@ -243,7 +243,7 @@ def exact_joint(small_model):
     return get
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=long_run_options())
 def _generate(method, graphdef, params, tokens, lengths, cache, key):
     params = {"model": params, "method": method.params()}  # LoopAhead: the drafter's too
     state = method.init(graphdef, params, tokens, lengths, cache, key, max_new_tokens=NEW,

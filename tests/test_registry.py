@@ -72,6 +72,25 @@ def test_an_instance_with_other_sampling_is_refused_by_the_engine():
     assert len(res.tokens[0]) == 4
 
 
+def test_compiler_options_reach_xla_and_bad_ones_are_refused():
+    """An engine's compiler options go to XLA with its programs (XLA names an option it does
+    not know when the first one compiles; a known one leaves the tokens as they were); malformed
+    ones are refused before anything compiles."""
+    plain = Engine.from_preset("tiny_llama").generate_ids([[1, 2, 3]], method="ar",
+                                                          max_new_tokens=4)
+    tuned = Engine.from_preset("tiny_llama", compiler_options={"xla_backend_optimization_level": 1})
+    assert tuned.generate_ids([[1, 2, 3]], method="ar", max_new_tokens=4).tokens == plain.tokens
+    unknown = Engine.from_preset("tiny_llama", compiler_options={"xla_no_such_option": 1})
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        unknown.generate_ids([[1, 2, 3]], method="ar", max_new_tokens=4)
+    for bad, match in [("xla_cpu_enable_fast_math", "must be a mapping"),
+                       ({"--xla_gpu_autotune_level": 0}, "without the leading dashes"),
+                       ({"xla_gpu_autotune_level": [0]}, "a bool, int, float or str")]:
+        with pytest.raises(ConfigError, match=match):
+            Engine.from_preset("tiny_llama", compiler_options=bad)
+    assert Engine.from_preset("tiny_llama", compiler_options={}).compiler_options is None
+
+
 @pytest.mark.parametrize("method, capacity", [
     (build_method("ar"), 1), (build_method("lookahead", W=5, N=4, G=5), 4),
     (build_method("prompt_lookup", pl_tokens=6), 7),

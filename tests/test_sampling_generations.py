@@ -35,11 +35,11 @@ from lookahead_jax.looped.loopspec import LoopSpec
 from lookahead_jax.prompt_lookup import PromptLookup
 from lookahead_jax.sampling import Sampling
 from sampling_checks import (SETTINGS, V, Fault, StaleLoopAhead, after_verification, at_step,
-                             at_verification, cascade, exact_checks, from_step, markov_llama,
-                             markov_logits, markov_ouro, next_rows_candidate, next_rows_draft,
-                             next_token_logits, planted, power, prompts, report, sampling,
-                             single_device, threshold, transition, two_sample_checks, worst,
-                             wrong_verdict)
+                             at_verification, cascade, exact_checks, from_step, long_run_options,
+                             markov_llama, markov_logits, markov_ouro, next_rows_candidate,
+                             next_rows_draft, next_token_logits, planted, power, prompts, report,
+                             sampling, single_device, threshold, transition, two_sample_checks,
+                             worst, wrong_verdict)
 
 
 class TableDrafter:
@@ -129,7 +129,8 @@ CONTEXT = 30.0  # the context model's attention scale (next-token distributions 
 
 @pytest.fixture(scope="module")
 def engines() -> dict[str, Engine]:
-    return {"llama": Engine(markov_llama(), eos_ids=()), "ouro": Engine(markov_ouro(), eos_ids=())}
+    return {"llama": Engine(markov_llama(), eos_ids=(), compiler_options=long_run_options()),
+            "ouro": Engine(markov_ouro(), eos_ids=(), compiler_options=long_run_options())}
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +264,8 @@ TWO_SAMPLE_ROWS = 6000
 
 @pytest.fixture(scope="module")
 def context_engine() -> Engine:
-    return Engine(markov_llama(attention=CONTEXT), eos_ids=())
+    return Engine(markov_llama(attention=CONTEXT), eos_ids=(),
+                  compiler_options=long_run_options())
 
 
 @pytest.fixture(scope="module")
