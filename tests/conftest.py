@@ -28,19 +28,20 @@ Quick XLA compilation on CPU: for most tests' small programs compiling takes far
 running, so the run asks XLA's CPU backend for quick code generation (`FAST_CPU_COMPILE`: LLVM
 without optimisation, the older fusion emitters, one codegen split). In CI's full run here the
 suite took 29.5 min instead of 35.3 (30.4 in the file order before HEAVY_FIRST's below):
-compile-bound files halve (test_loopahead.py 348 -> 164 s of test time, test_train_lad.py
-205 -> 77 s), while the files that run thousands of sampled generations slowed down
-(test_loopahead_sampling.py 347 -> 742 s), unoptimised code running slower: so their long-running
-programs are compiled with LLVM's optimisation back (`sampling_checks.long_run_options`, an
-engine's `compiler_options`; its budget test alone: 125 s -> 42 s). The flags change
-how a program is compiled, not what it computes (no fast math either way); at most a result
-rounds differently in its last bit (where LLVM would fuse a multiply and an add), which the
-lossless tests, comparing two decoding paths compiled the same way, do not depend on; and the
-golden ids, recorded with XLA's defaults, reproduce under them (test_golden_ids.py). They go
-before any XLA_FLAGS given in the environment, which thus win; child processes inherit them;
-a flag the installed XLA does not know is left out (the fusion emitters' switch is gone in JAX
-0.12); LOOKAHEAD_JAX_TESTS_XLA_DEFAULTS=1 leaves XLA's defaults; on a machine with a GPU or TPU
-plugin installed they are left out (LLVM's optimisation level applies to GPU code too).
+compile-bound files halve (test_loopahead.py 348 -> 164 s of test time, test_train_lad.py 205 ->
+77 s), while the files that run thousands of sampled generations slowed down
+(test_loopahead_sampling.py 347 -> 742 s), unoptimised code running slower: so their
+long-running programs are compiled with LLVM's optimisation back
+(`sampling_checks.long_run_options`, an engine's `compiler_options`; its budget test alone: from
+125 to 42 s; the suite in CI then took 21.1 min, test_loopahead_sampling.py 281 s of test time).
+The flags change how a program is compiled, not what it computes (no fast math either way); at
+most a result rounds differently in its last bit (where LLVM would fuse a multiply and an add),
+which the lossless tests, comparing two decoding paths compiled the same way, do not depend on;
+and the golden ids, recorded with XLA's defaults, reproduce under them (test_golden_ids.py).
+They go before any XLA_FLAGS given in the environment, which thus win; child processes inherit
+them; a flag the installed XLA does not know is left out (the fusion emitters' switch is gone in
+JAX 0.12); LOOKAHEAD_JAX_TESTS_XLA_DEFAULTS=1 leaves XLA's defaults; on a machine with a GPU or
+TPU plugin installed they are left out (LLVM's optimisation level applies to GPU code too).
 
 Heaviest files first: with `-n 2 --dist loadfile` each process takes the next whole file when it
 nears the end of its current one, so a long file taken last leaves the other process idle for

@@ -147,6 +147,11 @@ def test_parameters_are_split_over_the_model_axis():
     assert cache.k[0].sharding.is_fully_replicated
     assert not Engine(make_model(), eos_ids=(), mesh="model:2")._init_cache(
         1, 128, np.float32).k[0].sharding.is_fully_replicated
+    # an engine's compiler options go with its mesh programs too (XLA names the unknown one)
+    unknown = Engine(make_model(), eos_ids=(), mesh="model:2",
+                     compiler_options={"xla_no_such_option": 1})
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        unknown.generate_ids([[1, 2, 3]], method="ar", max_new_tokens=2)
 
 
 # one looped method per family on the mesh (CI's time: each compiles its programs for the
