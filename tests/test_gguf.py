@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
 import sys
+import warnings
 import zipfile
 
 import gguf
@@ -352,6 +354,14 @@ def test_tokenizer_from_hf_directory(tiny, tmp_path):
             text, add_special_tokens=False)
     assert encode_prompt(again, "hi", chat=True) == encode_prompt(tok, "hi", chat=True)
     assert again.eos_token == tok.eos_token
+    # beside a published looped config (Ouro's carries "rope_scaling": null), which transformers
+    # reads to find the tokenizer's class and warns about: no warning reaches the user
+    (tmp_path / "tok" / "config.json").write_text(json.dumps(
+        {"architectures": ["OuroForCausalLM"], "model_type": "ouro", "rope_theta": 10000.0,
+         "rope_scaling": None}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_tokenizer(tmp_path / "tok").encode("hi") == again.encode("hi")
 
 
 def test_tokenizer_errors(tmp_path):

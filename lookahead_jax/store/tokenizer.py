@@ -12,6 +12,7 @@ none applies the digit split of the `smollm` / `starcoder` pre-tokenizer.
 from __future__ import annotations
 
 import os
+import warnings
 
 from models.config import ConfigError
 from models.gguf_loader import GGUFError, gguf_field, open_gguf
@@ -118,7 +119,13 @@ def load_tokenizer(path: str | os.PathLike):
     if os.path.isdir(path):
         from transformers import AutoTokenizer  # noqa: PLC0415
         try:
-            return AutoTokenizer.from_pretrained(path)
+            with warnings.catch_warnings():
+                # AutoTokenizer reads config.json only to find the tokenizer's class; the
+                # published looped configs (Ouro's among them) carry "rope_scaling": null, on
+                # which transformers warns that the field is deprecated: not the user's concern
+                warnings.filterwarnings("ignore", message="`rope_scaling` is deprecated",
+                                        category=FutureWarning)
+                return AutoTokenizer.from_pretrained(path)
         except Exception as e:  # no tokenizer files, unreadable JSON, ...
             raise ConfigError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {e})"
                               ) from None
