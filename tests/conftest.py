@@ -25,14 +25,14 @@ instead and kept). The CLI's own cache in the model cache directory
 programs compiled by an earlier one.
 
 Quick XLA compilation on CPU: for most tests' small programs compiling takes far longer than
-running, so the run asks XLA's CPU backend for quick code generation (`FAST_CPU_COMPILE`: LLVM
+running, so the run asks XLA's CPU backend for quick code generation (`quick_compile.py`: LLVM
 without optimisation, the older fusion emitters, one codegen split). In CI's full run here the
 suite took 29.5 min instead of 35.3 (30.4 in the file order before HEAVY_FIRST's below):
 compile-bound files halve (test_loopahead.py 348 -> 164 s of test time, test_train_lad.py 205 ->
 77 s), while the files that run thousands of sampled generations slowed down
 (test_loopahead_sampling.py 347 -> 742 s), unoptimised code running slower: so their
 long-running programs are compiled with LLVM's optimisation back
-(`sampling_checks.long_run_options`, an engine's `compiler_options`; its budget test alone: from
+(`quick_compile.long_run_options`, an engine's `compiler_options`; its budget test alone: from
 125 to 42 s; the suite in CI then took 21.1 min, test_loopahead_sampling.py 281 s of test time).
 The flags change how a program is compiled, not what it computes (no fast math either way); at
 most a result rounds differently in its last bit (where LLVM would fuse a multiply and an add),
@@ -63,10 +63,9 @@ import re
 import shutil
 import tempfile
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+from quick_compile import APPLIED_ENV, FAST_CPU_COMPILE
 
-FAST_CPU_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
-                    "--xla_cpu_parallel_codegen_split_count=1")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def _accelerator_plugin_installed() -> bool:
@@ -98,10 +97,10 @@ def _known_to_xla(flags: tuple[str, ...]) -> list[str]:
 
 # set by the first pytest process; xdist's workers and the child processes inherit the result
 if (not os.environ.get("LOOKAHEAD_JAX_TESTS_XLA_DEFAULTS")
-        and "LOOKAHEAD_JAX_TESTS_FAST_COMPILE" not in os.environ
+        and APPLIED_ENV not in os.environ
         and not _accelerator_plugin_installed()):
     _fast = " ".join(_known_to_xla(FAST_CPU_COMPILE))
-    os.environ["LOOKAHEAD_JAX_TESTS_FAST_COMPILE"] = _fast
+    os.environ[APPLIED_ENV] = _fast
     os.environ["XLA_FLAGS"] = f"{_fast} {os.environ.get('XLA_FLAGS', '')}".strip()
 # the run's compilation cache: created by the first pytest process, inherited by the others
 _RUN_CACHE = None

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any, Callable, Sequence
 
 import jax
@@ -77,21 +76,6 @@ from lookahead_jax.sampling import Sampling
 from models.build import build_looped
 from models.config import LlamaConfig, LoopedConfig
 from models.llama import Llama
-
-
-def long_run_options() -> dict[str, int] | None:
-    """Compiler options for a program that samples thousands of rows. The test run compiles for
-    quick compilation (conftest.FAST_CPU_COMPILE: most tests' programs run for far less time
-    than they take to compile), and such a program then runs several times slower; this gives
-    it LLVM's default optimisation back (None when the run keeps XLA's defaults). Alone, the
-    budget test of test_loopahead_sampling.py took 125 s with the run's flags, 42 s with this,
-    and 49 s with the fusion emitters switched back on as well. (A real model's programs are
-    compile-bound: test_recursive.py's shipped-model tests took 154 s with the run's flags and
-    398 s with this.)"""
-    applied = os.environ.get("LOOKAHEAD_JAX_TESTS_FAST_COMPILE", "").split()
-    if "--xla_backend_optimization_level=0" in applied:
-        return {"xla_backend_optimization_level": 3}
-    return None
 
 
 V = 8

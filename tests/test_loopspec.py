@@ -26,7 +26,8 @@ from lookahead_jax.sampling import Sampling
 from models.build import build_looped
 from models.config import ConfigError, LoopedConfig
 from models.looped import LoopedLM
-from sampling_checks import chi_square, long_run_options  # noqa: E402
+from quick_compile import long_run_options  # noqa: E402
+from sampling_checks import chi_square  # noqa: E402
 from test_looped import CONFIGS, _perturb_norms  # noqa: E402
 
 

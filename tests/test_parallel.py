@@ -201,10 +201,11 @@ def test_devices_errors():
 # (test_sampling_generations.py: the family of runs, its threshold and the planted faults)
 from lookahead_jax.lookahead.parallel import ParallelLookahead  # noqa: E402
 from lookahead_jax.lookahead.verify import sampling_verdict  # noqa: E402
+from quick_compile import long_run_options  # noqa: E402
 from sampling_checks import (SETTINGS, Fault, at_step, exact_checks,  # noqa: E402
-                             from_step, long_run_options, markov_llama, next_rows_candidate,
-                             planted, power, prompts, report, sampling, threshold, transition,
-                             worst, wrong_verdict)
+                             from_step, markov_llama, next_rows_candidate, planted, power,
+                             prompts, report, sampling, threshold, transition, worst,
+                             wrong_verdict)
 
 MARKOV_CFG = LookaheadConfig(W=8, N=4, G=8, prompt_seeding=True)  # a column, a candidate each
 MARKOV_ROWS, MARKOV_NEW = 3000, 10

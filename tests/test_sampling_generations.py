@@ -34,12 +34,13 @@ from lookahead_jax.looped.loopahead import LoopAhead
 from lookahead_jax.looped.loopspec import LoopSpec
 from lookahead_jax.prompt_lookup import PromptLookup
 from lookahead_jax.sampling import Sampling
+from quick_compile import long_run_options
 from sampling_checks import (SETTINGS, V, Fault, StaleLoopAhead, after_verification, at_step,
-                             at_verification, cascade, exact_checks, from_step, long_run_options,
-                             markov_llama, markov_logits, markov_ouro, next_rows_candidate,
-                             next_rows_draft, next_token_logits, planted, power, prompts, report,
-                             sampling, single_device, threshold, transition, two_sample_checks,
-                             worst, wrong_verdict)
+                             at_verification, cascade, exact_checks, from_step, markov_llama,
+                             markov_logits, markov_ouro, next_rows_candidate, next_rows_draft,
+                             next_token_logits, planted, power, prompts, report, sampling,
+                             single_device, threshold, transition, two_sample_checks, worst,
+                             wrong_verdict)
 
 
 class TableDrafter:
