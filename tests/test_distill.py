@@ -271,6 +271,88 @@ def test_batches_draw_the_onpolicy_share_from_its_stream():
     np.testing.assert_array_equal(distill.batch_at(_streams(), plain, 3)[:, 0], picks)
 
 
+def test_unlikelihood_settings_validated():
+    on = dataclasses.replace(CFG, init_from="x", onpolicy_share=0.5, kl_weight=1.0)
+    assert dataclasses.replace(on, unlikelihood_weight=1.0).unlikelihood_weight == 1.0
+    with pytest.raises(ValueError, match="unlikelihood_weight must be >= 0"):
+        dataclasses.replace(on, unlikelihood_weight=-1.0)
+    with pytest.raises(ValueError, match="unlikelihood_weight needs on-policy rows"):
+        dataclasses.replace(on, onpolicy_share=0.0, init_from="", unlikelihood_weight=1.0)
+    with pytest.raises(ValueError, match="unlikelihood_weight needs on-policy rows"):
+        dataclasses.replace(on, kl_weight=0.0, unlikelihood_weight=1.0)
+    with pytest.raises(ValueError, match="unlikelihood_ngram must be >= 1"):
+        dataclasses.replace(on, unlikelihood_ngram=0)
+    old = json.loads(json.dumps(dataclasses.asdict(on)))
+    older = {k: v for k, v in old.items() if not k.startswith("unlikelihood")}
+    assert distill.changed_settings(older, on) == []
+    assert distill.changed_settings(older, dataclasses.replace(on, unlikelihood_weight=1.0)) == [
+        "unlikelihood_weight"]
+
+
+def test_repeat_masks_follow_the_batch_targets():
+    """repeats_at marks, in the on-policy rows only, the targets (window[:, 1:]) whose stream
+    position is marked: the mask at row r, position t is the stream's mark of the token that
+    position t predicts."""
+    n = 300
+    streams = {s: np.full(n, i, np.int32) for i, s in enumerate(distill.SOURCES)}
+    streams["onpolicy"] = np.arange(n, dtype=np.int32)  # a token is its own stream position
+    marks = (np.arange(n) % 7 == 3).astype(np.uint8)
+    streams["onpolicy_repeats"] = marks
+    cfg = dataclasses.replace(CFG, batch_size=6, init_from="x", onpolicy_share=0.5)
+    for step in range(4):
+        window = distill.batch_at(streams, cfg, step)
+        mask = distill.repeats_at(streams, cfg, step)
+        assert mask.shape == (6, cfg.seq_len) and mask.dtype == np.float32
+        assert (mask[:3] == 0).all()
+        np.testing.assert_array_equal(mask[3:], marks[window[3:, 1:]])
+        assert mask[3:].sum() > 0
+
+
+def test_unlikelihood_makes_the_marked_repeats_less_likely(teacher):
+    """The unlikelihood term is -log(1 - p) at the marked targets per on-policy position; with
+    it, steps lower the student's probability of the marked targets, where the KL alone keeps
+    them; no mark, no term."""
+    cfg = dataclasses.replace(CFG, init_from="x", onpolicy_share=0.5, kl_weight=1.0,
+                              kl_every_depth=True, batch_size=4)
+    # the tiny teacher is nearly uniform (p ~ 0.03), where -log(1 - p) is about p: a large weight
+    ul_cfg = dataclasses.replace(cfg, unlikelihood_weight=100.0)
+    tokens = _tokens(5, b=4)
+    t = distill.teacher_states(teacher, tokens, cfg.teacher_depths)
+    coda_from = cfg.teacher_depths[-1]
+    # the targets the teacher likes most (as a loop's next token is): the KL keeps them likely
+    targets = jnp.argmax(distill.readout_logits(teacher, coda_from, t[-1:], tokens)[0], -1)
+    repeats = np.zeros((4, cfg.seq_len), np.float32)
+    repeats[2:, 6:] = 1.0  # the on-policy rows' later targets
+    repeats = jnp.asarray(repeats)
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(4, cfg.seq_len, 53)), jnp.float32)
+    p = jax.nn.softmax(logits)[jnp.arange(4)[:, None], jnp.arange(cfg.seq_len), targets]
+    want = float(jnp.sum(repeats * -jnp.log(1 - p)) / (2 * cfg.seq_len))
+    np.testing.assert_allclose(float(distill.unlikelihood(logits, targets, repeats,
+                                                          2 * cfg.seq_len)), want, rtol=1e-5)
+    assert float(distill.unlikelihood(logits, targets, 0 * repeats, 2 * cfg.seq_len)) == 0
+
+    scale = jnp.std(t[1:], axis=(1, 2)) + 1e-3
+
+    def marked_p(params, graphdef):
+        s = distill.student_states(teacher, nnx.merge(graphdef, params), t[0], tokens,
+                                   cfg.num_loops)
+        lp = jax.nn.log_softmax(distill.readout_logits(teacher, coda_from, s[-1:], tokens)[0])
+        got = jnp.exp(jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0])
+        return float(jnp.sum(repeats * got) / jnp.sum(repeats))
+
+    finals = {}
+    for name, c in (("kl", cfg), ("ul", ul_cfg)):
+        graphdef, params = nnx.split(distill.init_block(teacher, c), nnx.Param)
+        before = marked_p(params, graphdef)
+        step, opt = _trainer(teacher, graphdef, params, c, scale)
+        extra = (targets, repeats) if c.unlikelihood_weight else ()
+        for _ in range(12):
+            params, opt, loss, terms = step(params, opt, tokens, jnp.float32(3e-3), *extra)
+            assert terms.shape == (2 * c.num_loops + bool(c.unlikelihood_weight),)
+        finals[name] = marked_p(params, graphdef)
+    assert finals["ul"] < 0.85 * finals["kl"] and finals["ul"] < before, (before, finals)
+
+
 def test_init_from_checks_the_layout():
     shipped = {"prelude_layers": 14, "core_layers": 1, "num_loops": 2,
                "base_model": {"layers": {"replaced_by_the_block": [14, 15]}}}

@@ -215,3 +215,13 @@ def test_asked_questions_open_the_turn_with_each_opener_in_turn():
     assert texts == ["<user>\nAct as", "<user>\nBe"] * 3
     plain = onpolicy.asked_questions(_Asker(), 2, seed=0, batch_size=2)
     assert plain == ["more words are here"] * 2
+
+
+def test_repeated_ngrams_mark_the_tokens_that_complete_a_seen_ngram():
+    from train_looped.onpolicy import repeated_ngrams  # noqa: PLC0415
+    ids = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 5]
+    assert repeated_ngrams(ids, 3) == [False] * 6 + [True, True, True, True, False]
+    assert repeated_ngrams(ids, 1) == [False] * 4 + [True] * 6 + [False]
+    assert repeated_ngrams([7, 7, 7, 7], 2) == [False, False, True, True]
+    assert not any(repeated_ngrams(list(range(20)), 4))
+    assert repeated_ngrams([], 4) == []

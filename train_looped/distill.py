@@ -116,6 +116,8 @@ class DistillConfig:
     onpolicy_share: float = 0.0        # > 0: this share of each batch on-policy
     onpolicy_prompts: int = 400        # its prompts (answered greedily by the init_from model)
     onpolicy_mix: str = "base"         # their kinds' shares (`train_looped.onpolicy.MIXES`)
+    unlikelihood_weight: float = 0.0   # > 0: plus unlikelihood of the on-policy prose repeats
+    unlikelihood_ngram: int = 4        # n of those repeated n-grams
 
     def __post_init__(self):
         if self.replaced_layers % self.num_loops:
@@ -139,6 +141,13 @@ class DistillConfig:
         if self.onpolicy_share and not self.init_from:
             raise ValueError("onpolicy_share needs init_from: the on-policy answers are that "
                              "model's")
+        if self.unlikelihood_weight < 0:
+            raise ValueError(f"unlikelihood_weight must be >= 0, got {self.unlikelihood_weight}")
+        if self.unlikelihood_weight and not (onpolicy_rows(self) and self.kl_weight):
+            raise ValueError("unlikelihood_weight needs on-policy rows (onpolicy_share) and the "
+                             "last loop's readout (kl_weight > 0)")
+        if self.unlikelihood_ngram < 1:
+            raise ValueError(f"unlikelihood_ngram must be >= 1, got {self.unlikelihood_ngram}")
 
     @property
     def teacher_depths(self) -> list[int]:
@@ -191,20 +200,33 @@ def onpolicy_rows(cfg: DistillConfig) -> int:
     return int(round(cfg.onpolicy_share * cfg.batch_size))
 
 
-def batch_at(streams: dict, cfg: DistillConfig, step: int):
-    """[B, T+1] int32 windows fixed by (seed, step): each row's source drawn by `mixture`, the
-    last `onpolicy_rows` rows from streams["onpolicy"]."""
+def windows_at(streams: dict, cfg: DistillConfig, step: int) -> list[tuple[str, int]]:
+    """The (source, start) of each row of step's batch, fixed by (seed, step): each row's source
+    drawn by `mixture`, the last `onpolicy_rows` rows from streams["onpolicy"]."""
     import numpy as np  # noqa: PLC0415
     rng = np.random.default_rng([cfg.seed, step])
     n_on = onpolicy_rows(cfg)
     picks = [SOURCES[s] for s in rng.choice(len(SOURCES), size=cfg.batch_size - n_on,
                                             p=cfg.mixture)]
-    rows = []
-    for s in picks + ["onpolicy"] * n_on:
-        toks = streams[s]
-        start = rng.integers(0, toks.size - cfg.seq_len - 1)
-        rows.append(toks[start:start + cfg.seq_len + 1])
-    return np.stack(rows).astype(np.int32)
+    return [(s, int(rng.integers(0, streams[s].size - cfg.seq_len - 1)))
+            for s in picks + ["onpolicy"] * n_on]
+
+
+def batch_at(streams: dict, cfg: DistillConfig, step: int):
+    """[B, T+1] int32 windows of step's batch (`windows_at`)."""
+    import numpy as np  # noqa: PLC0415
+    return np.stack([streams[s][start:start + cfg.seq_len + 1]
+                     for s, start in windows_at(streams, cfg, step)]).astype(np.int32)
+
+
+def repeats_at(streams: dict, cfg: DistillConfig, step: int):
+    """[B, T] float32: 1 where the target of a position of step's batch (the window's next
+    token) is a marked repeat of streams["onpolicy_repeats"] (`train_looped.onpolicy`); 0 in
+    the corpus rows."""
+    import numpy as np  # noqa: PLC0415
+    rows = [streams["onpolicy_repeats"][start + 1:start + cfg.seq_len + 1] if s == "onpolicy"
+            else np.zeros(cfg.seq_len, np.uint8) for s, start in windows_at(streams, cfg, step)]
+    return np.stack(rows).astype(np.float32)
 
 
 def heldout_rows(streams: dict, cfg: DistillConfig):
@@ -312,13 +334,19 @@ def start_block(cfg: DistillConfig):
 
 def onpolicy_stream(cfg: DistillConfig, data: pathlib.Path):
     """The on-policy token stream (`train_looped.onpolicy`) of cfg.init_from's model, built into
-    `data` on first use."""
+    `data` on first use, and its repeats mask (None where the data predates it)."""
     import numpy as np  # noqa: PLC0415
     if not (data / "onpolicy.npy").exists():
         onpolicy.build(cfg.init_from, data, prompts=cfg.onpolicy_prompts, mix=cfg.onpolicy_mix,
-                       seed=cfg.seed,
+                       seed=cfg.seed, repeat_ngram=cfg.unlikelihood_ngram,
                        log=lambda m: logging.warning("onpolicy: %s", m))
-    return np.load(data / "onpolicy.npy")
+    record = json.loads((data / "onpolicy.json").read_text())
+    repeats = data / "onpolicy_repeats.npy"
+    if cfg.unlikelihood_weight and (not repeats.exists()
+                                    or record.get("repeat_ngram") != cfg.unlikelihood_ngram):
+        raise SystemExit(f"{data}: on-policy data without repeats of {cfg.unlikelihood_ngram}-"
+                         f"grams (built before, or for another n); pass another --workdir")
+    return np.load(data / "onpolicy.npy"), (np.load(repeats) if repeats.exists() else None)
 
 
 def init_block(teacher, cfg: DistillConfig):
@@ -345,14 +373,28 @@ def output_kl(teacher_logits, student_logits):
     return jnp.mean(jnp.sum(jnp.exp(lt) * (lt - ls), axis=-1))
 
 
+def unlikelihood(logits, targets, mask, denominator: int):
+    """sum over positions of mask * -log(1 - p(target)) under logits [B,T,V], divided by
+    `denominator`: the unlikelihood loss (Welleck et al., 2019) of the marked targets."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    p = jnp.exp(jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None],
+                                    axis=-1)[..., 0])
+    return jnp.sum(mask * -jnp.log1p(-jnp.minimum(p, 1 - 1e-6))) / denominator
+
+
 def make_step(teacher, graphdef, cfg: DistillConfig, scale, tx):
-    """The jitted training step (params, opt_state, tokens [B,T], lr) -> (params, opt_state,
-    loss, terms): the teacher's states as targets, the block's loops from the teacher's prelude
-    output, `state_loss` (terms: its per-loop errors [R]), one optimizer update scaled by lr.
-    With kl_weight > 0, plus kl_weight times `output_kl` of the last loop read out through the
-    coda against the teacher's output (terms gain it: [R + 1]); with kl_every_depth, of every
-    loop r against the teacher's exit after the r-th of the R spans of replaced layers, its
-    state then read out through the same coda (the teacher's output at r = R; terms [2R])."""
+    """The jitted training step (params, opt_state, tokens [B,T], lr[, targets, repeats]) ->
+    (params, opt_state, loss, terms): the teacher's states as targets, the block's loops from
+    the teacher's prelude output, `state_loss` (terms: its per-loop errors [R]), one optimizer
+    update scaled by lr. With kl_weight > 0, plus kl_weight times `output_kl` of the last loop
+    read out through the coda against the teacher's output (terms gain it: [R + 1]); with
+    kl_every_depth, of every loop r against the teacher's exit after the r-th of the R spans of
+    replaced layers, its state then read out through the same coda (the teacher's output at
+    r = R; terms [2R]). With unlikelihood_weight > 0, plus that weight times `unlikelihood` of
+    the last loop's readout at the marked `repeats` [B,T] of the next tokens `targets` [B,T],
+    per position of the on-policy rows (terms gain it last): a repeated n-gram of the student's
+    own prose answer made less likely where the teacher's KL alone would keep copying it."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
@@ -363,8 +405,10 @@ def make_step(teacher, graphdef, cfg: DistillConfig, scale, tx):
     # student's s [R] after loops 1..R (or R)
     t_at, s_at = (slice(1, None), slice(None)) if cfg.kl_every_depth else (slice(-1, None),) * 2
 
+    ul_rows = onpolicy_rows(cfg) * cfg.seq_len
+
     @jax.jit
-    def step_fn(params, opt_state, tokens, lr):
+    def step_fn(params, opt_state, tokens, lr, targets=None, repeats=None):
         t = teacher_states(teacher, tokens, depths)
         if kl:
             want = jax.lax.stop_gradient(readout_logits(teacher, coda_from, t[t_at], tokens))
@@ -376,6 +420,9 @@ def make_step(teacher, graphdef, cfg: DistillConfig, scale, tx):
                 got = readout_logits(teacher, coda_from, s[s_at], tokens)
                 div = jax.vmap(output_kl)(want, got)
                 loss, terms = loss + cfg.kl_weight * div.sum(), jnp.concatenate([terms, div])
+            if cfg.unlikelihood_weight:
+                ul = unlikelihood(got[-1], targets, repeats, ul_rows)
+                loss, terms = loss + cfg.unlikelihood_weight * ul, jnp.concatenate([terms, ul[None]])
             return loss, terms
 
         (loss, per_loop), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -410,7 +457,8 @@ def train(cfg: DistillConfig, workdir: pathlib.Path, *, progress: bool = True,
                           grad_clip=cfg.grad_clip, seed=cfg.seed)
     tx = make_optimizer(opt_cfg)
     if cfg.onpolicy_share:
-        train_streams["onpolicy"] = onpolicy_stream(cfg, workdir / "data")
+        train_streams["onpolicy"], train_streams["onpolicy_repeats"] = onpolicy_stream(
+            cfg, workdir / "data")
     block = init_block(teacher, cfg)
     if cfg.init_from:
         nnx.update(block, start_block(cfg))
@@ -460,13 +508,19 @@ def train(cfg: DistillConfig, workdir: pathlib.Path, *, progress: bool = True,
             log.write(json.dumps({"step": 0, "event": "init", **init}) + "\n")
             log.flush()
         while total == 0 or state.step < total:
-            tokens = jnp.asarray(batch_at(train_streams, cfg, state.step)[:, :-1])
+            window = batch_at(train_streams, cfg, state.step)
+            tokens = jnp.asarray(window[:, :-1])
+            extra = ((jnp.asarray(window[:, 1:]),
+                      jnp.asarray(repeats_at(train_streams, cfg, state.step)))
+                     if cfg.unlikelihood_weight else ())
             lr = lr_at(state.step, total or cfg.warmup_steps + 1, opt_cfg)
             t0 = time.perf_counter()
             params, opt_state, loss, per_loop = step_fn(state.params, state.opt_state, tokens,
-                                                        jnp.float32(lr))
+                                                        jnp.float32(lr), *extra)
             loss, per_loop = float(loss), np.asarray(per_loop)
-            per_loop, kl = per_loop[:cfg.num_loops], per_loop[cfg.num_loops:]  # KL terms: 0, 1 or R
+            ul = per_loop[-1:] if cfg.unlikelihood_weight else per_loop[:0]
+            per_loop, kl = (per_loop[:cfg.num_loops],
+                            per_loop[cfg.num_loops:per_loop.size - ul.size])  # KL: 0, 1 or R
             dt = time.perf_counter() - t0
             if not np.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {state.step}")
@@ -488,12 +542,14 @@ def train(cfg: DistillConfig, workdir: pathlib.Path, *, progress: bool = True,
                                     + " ".join(f"{x:.2f}" for x in per_loop)
                                     + (" | kl " if kl.size else "")
                                     + " ".join(f"{x:.3f}" for x in kl)
+                                    + "".join(f" | ul {x:.3f}" for x in ul)
                                     + f" | {tokens.size / dt:.0f} tok/s", refresh=False)
             if state.step % 10 == 0:
                 log.write(json.dumps({
                     "step": state.step, "lr": round(lr, 7), "loss": round(loss, 4),
                     "per_loop": per_loop.astype(float).round(4).tolist(),
                     **({"kl": kl.astype(float).round(4).tolist()} if kl.size else {}),
+                    **({"unlikelihood": round(float(ul[0]), 4)} if ul.size else {}),
                     "tok_s": round(tokens.size / dt)}) + "\n")
                 log.flush()
             if time.perf_counter() - last_save > cfg.save_every_minutes * 60:
@@ -574,6 +630,10 @@ def define_flags() -> None:
     flags.DEFINE_string("onpolicy_mix", None, "Kinds of those prompts: base (default) or broad "
                         "(adds role-play questions and class skeletons; "
                         "`train_looped.onpolicy.MIXES`).")
+    flags.DEFINE_float("unlikelihood_weight", None, "Weight of the unlikelihood of the repeated "
+                       "n-grams of the on-policy prose answers, read out at the last loop "
+                       "(default 0).")
+    flags.DEFINE_integer("unlikelihood_ngram", None, "n of those n-grams (default 4).")
     flags.DEFINE_integer("seed", None, "Fixes the batches' windows and the on-policy prompts "
                          "(default 0).")
     flags.DEFINE_integer("max_steps_this_run", None, "Stop after this many steps (resumable).")
@@ -583,7 +643,7 @@ def define_flags() -> None:
 FLAG_FIELDS = ("steps", "minutes", "batch_size", "prelude_layers", "replaced_layers",
                "core_layers", "num_loops", "out_scale", "loop_weights", "peak_lr", "kl_weight",
                "kl_every_depth", "init_from", "onpolicy_share", "onpolicy_prompts",
-               "onpolicy_mix", "seed")
+               "onpolicy_mix", "unlikelihood_weight", "unlikelihood_ngram", "seed")
 
 
 def config_from_flags(values: dict) -> DistillConfig:

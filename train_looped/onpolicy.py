@@ -2,6 +2,7 @@
 
     python -m train_looped.onpolicy --student=checkpoints/smol_loop_r2 --out=/tmp/onpolicy
         [--prompts=400] [--mix=base|broad] [--max_new_tokens=128] [--batch_size=25] [--seed=0]
+        [--repeat_ngram=4]
 
 The corpus holds text people wrote; a distilled looped model is judged on its own greedy text,
 and a model a few hundredths of a nat behind its teacher can still fall into a loop there that
@@ -28,8 +29,11 @@ Prompts (none from a benchmark set; every choice fixed by --seed):
 
 Each prompt's document is the prompt's ids followed by the student's greedy ids (plain
 decoding, up to --max_new_tokens, its EOS kept); documents are joined by <|endoftext|>. Writes
-`onpolicy.npy` (the int32 stream), `onpolicy.jsonl` (every prompt and answer as text) and
-`onpolicy.json` (the record: counts per kind, tokens, seconds, the student).
+`onpolicy.npy` (the int32 stream), `onpolicy_repeats.npy` (uint8, aligned with the stream: 1
+where a token of a prose answer, one of PROSE_KINDS, completes an n-gram of --repeat_ngram
+tokens that the same answer already holds; `repeated_ngrams`), `onpolicy.jsonl` (every prompt
+and answer as text) and `onpolicy.json` (the record: counts per kind, tokens, repeats, seconds,
+the student). `distill --unlikelihood_weight` reads the repeats.
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ ROLEPLAY_OPENERS = ("Imagine you are", "Pretend you are", "Act as", "You are a",
                     "Role-play as", "Write a story in which you are")
 CLASS_METHODS = 6
 MAX_CLASS_CHARS = 3000
+# answers whose repeated n-grams are marked: prose chats, where a repeated n-gram is the start
+# of a loop; code and worked sums (`code`, `write`, `class`, `gsm8k`) repeat names and numbers
+# as they should, and the FAQ answers hold code
+PROSE_KINDS = ("asked", "roleplay")
 QUESTION_TOKENS = 48
 MIN_QUESTION_WORDS = 4
 PLACEHOLDER = "\x00QUESTION\x00"
@@ -192,9 +200,21 @@ def asked_questions(engine, n: int, seed: int, batch_size: int,
     return out[:n]
 
 
+def repeated_ngrams(ids, n: int) -> list[bool]:
+    """Per token of `ids`: whether it completes an n-gram (the n tokens ending there) that
+    already ended at an earlier position of `ids`."""
+    seen, out = set(), []
+    for j in range(len(ids)):
+        gram = tuple(ids[j - n + 1:j + 1]) if j >= n - 1 else None
+        out.append(gram in seen)
+        if gram is not None:
+            seen.add(gram)
+    return out
+
+
 def build(student: str, out: pathlib.Path, *, prompts: int = 400, mix: str = "base",
           max_new_tokens: int = 128, batch_size: int = 25, seed: int = 0,
-          log=lambda m: None) -> dict:
+          repeat_ngram: int = 4, log=lambda m: None) -> dict:
     """Writes onpolicy.npy / .jsonl / .json into `out` (see the module doc) -> the record."""
     import numpy as np  # noqa: PLC0415
 
@@ -227,8 +247,14 @@ def build(student: str, out: pathlib.Path, *, prompts: int = 400, mix: str = "ba
     sep = corpus.separator_id(engine.tokenizer)
     stream = np.concatenate([np.asarray(encoded[i] + list(answers[i]) + [sep], np.int32)
                              for i in range(len(items))])
+    repeats = np.concatenate([
+        np.asarray([False] * len(encoded[i])
+                   + (repeated_ngrams(list(answers[i]), repeat_ngram) if items[i][0] in PROSE_KINDS
+                      else [False] * len(answers[i])) + [False], np.uint8)
+        for i in range(len(items))])
     out.mkdir(parents=True, exist_ok=True)
     np.save(out / "onpolicy.npy", stream)
+    np.save(out / "onpolicy_repeats.npy", repeats)
     with open(out / "onpolicy.jsonl", "w") as f:
         for i, (kind, text, chat) in enumerate(items):
             f.write(json.dumps({"kind": kind, "chat": chat, "prompt": text,
@@ -237,6 +263,8 @@ def build(student: str, out: pathlib.Path, *, prompts: int = 400, mix: str = "ba
               "max_new_tokens": max_new_tokens,
               "seed": seed, "tokens": int(stream.size),
               "answer_tokens": int(sum(len(a) for a in answers.values())),
+              "repeat_ngram": repeat_ngram, "prose_kinds": list(PROSE_KINDS),
+              "repeated_tokens": int(repeats.sum()),
               "seconds": round(time.perf_counter() - t0, 1)}
     (out / "onpolicy.json").write_text(json.dumps(record, indent=1))
     return record
@@ -246,7 +274,8 @@ def main(argv) -> int:
     del argv
     record = build(FLAGS.student, pathlib.Path(FLAGS.out), prompts=FLAGS.prompts, mix=FLAGS.mix,
                    max_new_tokens=FLAGS.max_new_tokens, batch_size=FLAGS.batch_size,
-                   seed=FLAGS.seed, log=lambda m: print(m, file=sys.stderr, flush=True))
+                   seed=FLAGS.seed, repeat_ngram=FLAGS.repeat_ngram,
+                   log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(record))
     return 0
 
@@ -259,4 +288,5 @@ if __name__ == "__main__":
     flags.DEFINE_integer("max_new_tokens", 128, "Longest answer.")
     flags.DEFINE_integer("batch_size", 25, "Prompts decoded together.")
     flags.DEFINE_integer("seed", 0, "Fixes every choice.")
+    flags.DEFINE_integer("repeat_ngram", 4, "n of the repeated n-grams marked in prose answers.")
     app.run(main)
