@@ -282,6 +282,9 @@ def test_unlikelihood_settings_validated():
         dataclasses.replace(on, kl_weight=0.0, unlikelihood_weight=1.0)
     with pytest.raises(ValueError, match="unlikelihood_ngram must be >= 1"):
         dataclasses.replace(on, unlikelihood_ngram=0)
+    # the state scale is measured on corpus rows alone, a valid setting of its own
+    alone = distill.corpus_only(dataclasses.replace(on, unlikelihood_weight=1.0))
+    assert distill.onpolicy_rows(alone) == 0 and alone.unlikelihood_weight == 0
     old = json.loads(json.dumps(dataclasses.asdict(on)))
     older = {k: v for k, v in old.items() if not k.startswith("unlikelihood")}
     assert distill.changed_settings(older, on) == []

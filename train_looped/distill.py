@@ -11,15 +11,21 @@ one shared block run R times, the block trained to reproduce the replaced layers
         --kl_weight=1 --kl_every_depth --minutes=45
 
     # checkpoints/smol_loop_2x2: two layers run twice in place of layers 14-15, the same loss
-    # (round 1), then a round on its own greedy answers to 480 prompts of no benchmark set
+    # (round 1), then a round on its own greedy answers to 480 prompts of no benchmark set, then
+    # one more on answers to 480 others with the unlikelihood of its prose answers' repeats
     python -m train_looped.distill --out=/tmp/smol_loop_2x2_round1 --prelude_layers=14 \
         --replaced_layers=2 --core_layers=2 --num_loops=2 --out_scale=0.5 --loop_weights=1,1 \
         --kl_weight=1 --kl_every_depth --minutes=45
-    python -m train_looped.distill --out=checkpoints/smol_loop_2x2 --prelude_layers=14 \
+    python -m train_looped.distill --out=/tmp/smol_loop_2x2_round2 --prelude_layers=14 \
         --replaced_layers=2 --core_layers=2 --num_loops=2 --out_scale=0.5 --loop_weights=1,1 \
         --kl_weight=1 --kl_every_depth --init_from=/tmp/smol_loop_2x2_round1 \
         --onpolicy_share=0.5 --onpolicy_mix=broad --onpolicy_prompts=480 --peak_lr=2e-4 \
         --minutes=50
+    python -m train_looped.distill --out=checkpoints/smol_loop_2x2 --prelude_layers=14 \
+        --replaced_layers=2 --core_layers=2 --num_loops=2 --out_scale=0.5 --loop_weights=1,1 \
+        --kl_weight=1 --kl_every_depth --init_from=/tmp/smol_loop_2x2_round2 \
+        --onpolicy_share=0.5 --onpolicy_mix=broad --onpolicy_prompts=480 --peak_lr=2e-4 \
+        --minutes=45 --seed=2 --unlikelihood_weight=1
 
 The student (`models.recursive`, family "recursive"): SmolLM2's embedding and its first
 `prelude_layers` layers (the prelude, frozen), a block of `core_layers` pre-norm Llama layers run
@@ -60,6 +66,14 @@ that model's own greedy answers to --onpolicy_prompts prompts of no benchmark se
 corrects the student where its greedy decoding goes rather than only on text people wrote.
 --seed also picks those prompts, so a second round (--init_from the first round's export,
 another --seed) answers prompts the first did not.
+
+Unlikelihood: the KL on the student's own answers cannot take a loop away where the teacher,
+given the same repeated text, copies it too (in-context copying is what both models do once a
+sentence repeats). --unlikelihood_weight=W (with on-policy rows and the KL) adds W times the
+unlikelihood loss of Welleck et al. (2019), -log(1 - p(token)), at the tokens of the on-policy
+prose answers (`onpolicy.PROSE_KINDS`) that complete an n-gram the same answer already holds
+(--unlikelihood_ngram, default 4; marked when the data is built), read out at the last loop and
+summed over the on-policy rows' positions divided by their number.
 
 Training saves an Orbax checkpoint to --workdir every few minutes and on Ctrl-C; running the
 same command again resumes. --steps larger than the workdir's recorded step count extends the
@@ -210,6 +224,11 @@ def windows_at(streams: dict, cfg: DistillConfig, step: int) -> list[tuple[str, 
                                             p=cfg.mixture)]
     return [(s, int(rng.integers(0, streams[s].size - cfg.seq_len - 1)))
             for s in picks + ["onpolicy"] * n_on]
+
+
+def corpus_only(cfg: DistillConfig) -> DistillConfig:
+    """cfg without its on-policy rows (and what needs them): batches of the corpus alone."""
+    return dataclasses.replace(cfg, onpolicy_share=0.0, init_from="", unlikelihood_weight=0.0)
 
 
 def batch_at(streams: dict, cfg: DistillConfig, step: int):
@@ -471,8 +490,7 @@ def train(cfg: DistillConfig, workdir: pathlib.Path, *, progress: bool = True,
 
     scale_file = workdir / "state_scale.npy"
     if not scale_file.exists():  # from the corpus alone: a run --init_from another keeps its scale
-        corpus_only = dataclasses.replace(cfg, onpolicy_share=0.0, init_from="")
-        t = targets(jnp.asarray(batch_at(train_streams, corpus_only, 0)[:, :-1]))
+        t = targets(jnp.asarray(batch_at(train_streams, corpus_only(cfg), 0)[:, :-1]))
         np.save(scale_file, np.asarray(jnp.std(t[1:], axis=(1, 2)) + 1e-3))
     scale = jnp.asarray(np.load(scale_file))
 
