@@ -225,3 +225,12 @@ def test_repeated_ngrams_mark_the_tokens_that_complete_a_seen_ngram():
     assert repeated_ngrams([7, 7, 7, 7], 2) == [False, False, True, True]
     assert not any(repeated_ngrams(list(range(20)), 4))
     assert repeated_ngrams([], 4) == []
+
+
+def test_repeat_marks_follow_the_stream_and_mark_prose_answers_only():
+    from train_looped.onpolicy import repeat_marks  # noqa: PLC0415
+    prompt, answer = [5, 6], [1, 2, 1, 2, 1]  # 2-grams (1, 2) and (2, 1) seen again at 3 and 4
+    marks = repeat_marks(["asked", "code", "roleplay"], [prompt] * 3, [answer] * 3, 2)
+    doc = [0, 0] + [0, 0, 0, 1, 1] + [0]  # prompt, answer, separator
+    assert marks.dtype == np.uint8
+    assert marks.tolist() == doc + [0] * len(doc) + doc

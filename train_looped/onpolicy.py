@@ -212,6 +212,17 @@ def repeated_ngrams(ids, n: int) -> list[bool]:
     return out
 
 
+def repeat_marks(kinds, prompts, answers, n: int):
+    """uint8 marks aligned with the stream of documents prompt + answer + separator: 1 at the
+    answer tokens of a PROSE_KINDS document that repeat an n-gram of the same answer
+    (`repeated_ngrams`), 0 elsewhere."""
+    import numpy as np  # noqa: PLC0415
+    return np.concatenate([
+        np.asarray([False] * len(p) + (repeated_ngrams(a, n) if k in PROSE_KINDS
+                                       else [False] * len(a)) + [False], np.uint8)
+        for k, p, a in zip(kinds, prompts, answers)])
+
+
 def build(student: str, out: pathlib.Path, *, prompts: int = 400, mix: str = "base",
           max_new_tokens: int = 128, batch_size: int = 25, seed: int = 0,
           repeat_ngram: int = 4, log=lambda m: None) -> dict:
@@ -247,11 +258,8 @@ def build(student: str, out: pathlib.Path, *, prompts: int = 400, mix: str = "ba
     sep = corpus.separator_id(engine.tokenizer)
     stream = np.concatenate([np.asarray(encoded[i] + list(answers[i]) + [sep], np.int32)
                              for i in range(len(items))])
-    repeats = np.concatenate([
-        np.asarray([False] * len(encoded[i])
-                   + (repeated_ngrams(list(answers[i]), repeat_ngram) if items[i][0] in PROSE_KINDS
-                      else [False] * len(answers[i])) + [False], np.uint8)
-        for i in range(len(items))])
+    repeats = repeat_marks([kind for kind, _, _ in items], encoded,
+                           [list(answers[i]) for i in range(len(items))], repeat_ngram)
     out.mkdir(parents=True, exist_ok=True)
     np.save(out / "onpolicy.npy", stream)
     np.save(out / "onpolicy_repeats.npy", repeats)
