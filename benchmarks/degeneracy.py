@@ -5,6 +5,7 @@
         [--sets mt_bench,humaneval,gsm8k,mbpp,classeval] [--data_dir ../shared/data]
         [--out benchmarks/results] [--tag NAME]
     python -m benchmarks.degeneracy --compare A.json B.json [--resamples 10000] [--seed 0]
+        [--skip 0]
 
 A looped model trained here is only worth drafting for if it writes text as a real model does:
 #21 asks that its greedy outputs be no more degenerate than SmolLM2-135M-Instruct's on the same
@@ -32,6 +33,9 @@ per set and over all sets: outputs ending in a cycle in each, the mean distinct-
 A - B and its 95% paired bootstrap interval (prompts resampled with replacement, --resamples
 times). One output's distinct-4 ranges from under 0.2 to 1.0, so at 20 prompts a set a mean moves
 by several hundredths with the prompts drawn; the interval says whether a gap is more than that.
+--skip N leaves out each set's first N prompts: run with --num_prompts 80 and compare with
+--skip 20 to score a model on prompts the 20-prompt sets do not hold (a development split for
+choosing between training runs, so the 20 stay unused for that choice).
 """
 
 from __future__ import annotations
@@ -136,13 +140,16 @@ def table(results: dict) -> str:
                                   "ends at EOS", "mean length"], rows)
 
 
-def compare(a: dict, b: dict, resamples: int = 10_000, seed: int = 0) -> dict:
+def compare(a: dict, b: dict, resamples: int = 10_000, seed: int = 0, skip: int = 0) -> dict:
     """Paired comparison of two `run` results (A against B) on the prompts both scored, per
     set and over "all" sets: {set: {prompts, cycles_a, cycles_b, distinct4_a, distinct4_b,
     diff, low, high}} with diff the mean distinct-4 difference A - B and [low, high] its 95%
-    paired bootstrap interval."""
+    paired bootstrap interval. Prompts numbered below `skip` (each set's first `skip`) are
+    left out."""
     if resamples < 1:
         raise ValueError(f"resamples must be >= 1, got {resamples}")
+    if skip < 0:
+        raise ValueError(f"skip must be >= 0, got {skip}")
     rng = np.random.default_rng(seed)
     pairs: dict[str, list] = {}
     for name in a:
@@ -150,7 +157,7 @@ def compare(a: dict, b: dict, resamples: int = 10_000, seed: int = 0) -> dict:
             continue
         theirs = {o["prompt"]: o["scores"] for o in b[name]["outputs"]}
         pairs[name] = [(o["scores"], theirs[o["prompt"]]) for o in a[name]["outputs"]
-                       if o["prompt"] in theirs]
+                       if o["prompt"] in theirs and o["prompt"] >= skip]
     if not any(pairs.values()):
         raise ValueError("the two results share no scored prompt")
     pairs["all"] = [p for v in pairs.values() for p in v]
@@ -179,17 +186,18 @@ def compare_table(cmp: dict) -> str:
                                   "A - B [95% interval]"], rows)
 
 
-def _compare_main(paths: Sequence[str], resamples: int, seed: int) -> int:
+def _compare_main(paths: Sequence[str], resamples: int, seed: int, skip: int = 0) -> int:
     docs = []
     for path in paths:
         with open(path) as f:
             docs.append(json.load(f))
         if not isinstance(docs[-1], dict) or "sets" not in docs[-1]:
             raise SystemExit(f"{path} is not a benchmarks.degeneracy results file (no 'sets')")
-    cmp = compare(docs[0]["sets"], docs[1]["sets"], resamples, seed)
+    cmp = compare(docs[0]["sets"], docs[1]["sets"], resamples, seed, skip)
     said = [f"{p} ({d.get('config')}, {d.get('dtype') or 'its preset dtype'})"
             for p, d in zip(paths, docs)]
-    print(f"A: {said[0]}\nB: {said[1]}\n\n{compare_table(cmp)}")
+    left_out = f"\nEach set's first {skip} prompts left out.\n" if skip else ""
+    print(f"A: {said[0]}\nB: {said[1]}\n{left_out}\n{compare_table(cmp)}")
     return 0
 
 
@@ -215,14 +223,16 @@ def main(argv=None) -> int:
                     help="compare two degeneracy_*.json files prompt by prompt (no model run)")
     ap.add_argument("--resamples", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip", type=int, default=0,
+                    help="--compare: leave out each set's first SKIP prompts")
     args = ap.parse_args(argv)
     if args.compare:
         missing = [p for p in args.compare if not os.path.isfile(p)]
         if missing:
             ap.error(f"no such file: {missing[0]}")
         try:
-            return _compare_main(args.compare, args.resamples, args.seed)
-        except ValueError as e:  # compare's own checks: --resamples, prompts in common
+            return _compare_main(args.compare, args.resamples, args.seed, args.skip)
+        except ValueError as e:  # compare's own checks: --resamples, --skip, prompts in common
             ap.error(str(e))
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
     unknown = [s for s in sets if s not in common.PROMPT_SETS]

@@ -380,6 +380,12 @@ def test_degeneracy_compare(tmp_path, capsys):
     assert degeneracy.compare(a, b, resamples=2000, seed=3)["mbpp"]["low"] < 0
     with pytest.raises(ValueError, match="no scored prompt"):
         degeneracy.compare({"gsm8k": _scored([0.5])}, {"gsm8k": _scored([0.5], first=1)})
+    late = degeneracy.compare(a, b, resamples=2000, skip=3)
+    assert late["gsm8k"]["prompts"] == 3 and late["gsm8k"]["cycles_a"] == 0
+    assert late["mbpp"]["prompts"] == 1 and late["mbpp"]["diff"] == pytest.approx(-0.8)
+    assert late["all"]["prompts"] == 4
+    with pytest.raises(ValueError, match="skip must be >= 0"):
+        degeneracy.compare(a, b, skip=-1)
     paths = []
     for name, sets in (("a", a), ("b", b)):
         paths.append(str(tmp_path / f"{name}.json"))
@@ -388,6 +394,11 @@ def test_degeneracy_compare(tmp_path, capsys):
     assert degeneracy.main(["--compare", *paths, "--resamples", "500"]) == 0
     printed = capsys.readouterr().out
     assert "| gsm8k | 5 | 1 / 0 | 0.500 / 0.900 | -0.400 [-0.400, -0.400] |" in printed
+    assert degeneracy.main(["--compare", *paths, "--resamples", "500", "--skip", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "first 3 prompts left out" in printed and "| gsm8k | 3 | 0 / 0 |" in printed
+    with pytest.raises(SystemExit):
+        degeneracy.main(["--compare", *paths, "--skip", "-2"])
     with pytest.raises(SystemExit):
         degeneracy.main(["--compare", paths[0], str(tmp_path / "missing.json")])
     (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
