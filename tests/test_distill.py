@@ -282,14 +282,41 @@ def test_unlikelihood_settings_validated():
         dataclasses.replace(on, kl_weight=0.0, unlikelihood_weight=1.0)
     with pytest.raises(ValueError, match="unlikelihood_ngram must be >= 1"):
         dataclasses.replace(on, unlikelihood_ngram=0)
+    assert dataclasses.replace(on, unlikelihood_weight=1.0,
+                               unlikelihood_cycles=True).unlikelihood_cycles
+    with pytest.raises(ValueError, match="unlikelihood_cycles needs unlikelihood_weight > 0"):
+        dataclasses.replace(on, unlikelihood_cycles=True)
     # the state scale is measured on corpus rows alone, a valid setting of its own
-    alone = distill.corpus_only(dataclasses.replace(on, unlikelihood_weight=1.0))
+    alone = distill.corpus_only(dataclasses.replace(on, unlikelihood_weight=1.0,
+                                                    unlikelihood_cycles=True))
     assert distill.onpolicy_rows(alone) == 0 and alone.unlikelihood_weight == 0
+    assert not alone.unlikelihood_cycles
     old = json.loads(json.dumps(dataclasses.asdict(on)))
     older = {k: v for k, v in old.items() if not k.startswith("unlikelihood")}
     assert distill.changed_settings(older, on) == []
     assert distill.changed_settings(older, dataclasses.replace(on, unlikelihood_weight=1.0)) == [
         "unlikelihood_weight"]
+
+
+def test_onpolicy_data_must_hold_the_marks_the_run_asks_for(tmp_path):
+    """A workdir's on-policy data is reused only when its marks are the run's: the n-gram size
+    and whether periodic runs were marked (data from before that field counts as unmarked)."""
+    on = dataclasses.replace(CFG, init_from="x", onpolicy_share=0.5, kl_weight=1.0,
+                             unlikelihood_weight=1.0)
+    np.save(tmp_path / "onpolicy.npy", np.arange(10, dtype=np.int32))
+    np.save(tmp_path / "onpolicy_repeats.npy", np.zeros(10, np.uint8))
+    (tmp_path / "onpolicy.json").write_text(json.dumps({"repeat_ngram": 4}))
+    stream, repeats = distill.onpolicy_stream(on, tmp_path)
+    assert stream.tolist() == list(range(10)) and repeats.shape == (10,)
+    cycles = dataclasses.replace(on, unlikelihood_cycles=True)
+    with pytest.raises(SystemExit, match="and periodic runs"):
+        distill.onpolicy_stream(cycles, tmp_path)
+    with pytest.raises(SystemExit, match="pass another --workdir"):
+        distill.onpolicy_stream(dataclasses.replace(on, unlikelihood_ngram=3), tmp_path)
+    (tmp_path / "onpolicy.json").write_text(json.dumps({"repeat_ngram": 4, "cycle_marks": True}))
+    assert distill.onpolicy_stream(cycles, tmp_path)[1].shape == (10,)
+    with pytest.raises(SystemExit, match="pass another --workdir"):
+        distill.onpolicy_stream(on, tmp_path)
 
 
 def test_repeat_masks_follow_the_batch_targets():

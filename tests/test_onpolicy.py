@@ -227,6 +227,41 @@ def test_repeated_ngrams_mark_the_tokens_that_complete_a_seen_ngram():
     assert repeated_ngrams([], 4) == []
 
 
+def test_periodic_tail_marks_where_the_answer_so_far_ends_in_a_cycle():
+    """periodic_tail[j] is benchmarks.degeneracy's cycle rule applied to ids[:j + 1], on
+    random token runs (a small vocabulary, so runs occur) and on the loops seen in outputs."""
+    from benchmarks.degeneracy import ends_in_cycle  # noqa: PLC0415
+    from train_looped.onpolicy import CYCLE_PERIOD, CYCLE_TOKENS, periodic_tail  # noqa: PLC0415
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, k, size=60).tolist() for k in (1, 2, 3, 5) for _ in range(20)]
+    seqs += [[9, 8] + [1, 2, 3] * 10 + [4], [5] * 11 + [6], list(range(40)),
+             list(range(7)) + list(range(17)) * 4, []]
+    hits = 0
+    for ids in seqs:
+        got = periodic_tail(ids)
+        want = [ends_in_cycle(ids[:j + 1], CYCLE_PERIOD, CYCLE_TOKENS) > 0
+                for j in range(len(ids))]
+        assert got == want, ids
+        hits += sum(got)
+    assert hits > 100  # the check saw marks, not only their absence
+    # "x () () ()...": marked from the 12th token of the run on, and no longer once it breaks
+    ids = [7] + [40, 41] * 10 + [3]
+    assert periodic_tail(ids) == [False] * 12 + [True] * 9 + [False]
+    assert not any(periodic_tail(list(range(30)) * 1))
+    assert periodic_tail([5] * 12) == [False] * 11 + [True]
+
+
+def test_repeat_marks_add_every_kinds_periodic_runs_when_asked():
+    from train_looped.onpolicy import repeat_marks  # noqa: PLC0415
+    prompt, code = [5, 6], [3] + [1, 2] * 7  # 1 2 1 2 ...: marked from its 12th token on
+    plain = repeat_marks(["code"], [prompt], [code], 4)
+    assert not plain.any()
+    marks = repeat_marks(["code", "asked"], [prompt] * 2, [code] * 2, 4, cycles=True)
+    code_marks = [0, 0] + [0] * 12 + [1] * 3 + [0]
+    prose = [0, 0] + [0] * 6 + [1] * 9 + [0]  # (1, 2, 1, 2) seen again at the 7th token
+    assert marks.tolist() == code_marks + prose
+
+
 def test_repeat_marks_follow_the_stream_and_mark_prose_answers_only():
     from train_looped.onpolicy import repeat_marks  # noqa: PLC0415
     prompt, answer = [5, 6], [1, 2, 1, 2, 1]  # 2-grams (1, 2) and (2, 1) seen again at 3 and 4

@@ -73,7 +73,9 @@ sentence repeats). --unlikelihood_weight=W (with on-policy rows and the KL) adds
 unlikelihood loss of Welleck et al. (2019), -log(1 - p(token)), at the tokens of the on-policy
 prose answers (`onpolicy.PROSE_KINDS`) that complete an n-gram the same answer already holds
 (--unlikelihood_ngram, default 4; marked when the data is built), read out at the last loop and
-summed over the on-policy rows' positions divided by their number.
+summed over the on-policy rows' positions divided by their number. --unlikelihood_cycles also
+marks the tokens of every on-policy answer, code and sums included, that end a periodic run
+(`onpolicy.periodic_tail`: the same stretch of at most 16 tokens written three times in a row).
 
 Training saves an Orbax checkpoint to --workdir every few minutes and on Ctrl-C; running the
 same command again resumes. --steps larger than the workdir's recorded step count extends the
@@ -132,6 +134,7 @@ class DistillConfig:
     onpolicy_mix: str = "base"         # their kinds' shares (`train_looped.onpolicy.MIXES`)
     unlikelihood_weight: float = 0.0   # > 0: plus unlikelihood of the on-policy prose repeats
     unlikelihood_ngram: int = 4        # n of those repeated n-grams
+    unlikelihood_cycles: bool = False  # also every answer's periodic runs
 
     def __post_init__(self):
         if self.replaced_layers % self.num_loops:
@@ -162,6 +165,8 @@ class DistillConfig:
                              "last loop's readout (kl_weight > 0)")
         if self.unlikelihood_ngram < 1:
             raise ValueError(f"unlikelihood_ngram must be >= 1, got {self.unlikelihood_ngram}")
+        if self.unlikelihood_cycles and not self.unlikelihood_weight:
+            raise ValueError("unlikelihood_cycles needs unlikelihood_weight > 0")
 
     @property
     def teacher_depths(self) -> list[int]:
@@ -228,7 +233,8 @@ def windows_at(streams: dict, cfg: DistillConfig, step: int) -> list[tuple[str, 
 
 def corpus_only(cfg: DistillConfig) -> DistillConfig:
     """cfg without its on-policy rows (and what needs them): batches of the corpus alone."""
-    return dataclasses.replace(cfg, onpolicy_share=0.0, init_from="", unlikelihood_weight=0.0)
+    return dataclasses.replace(cfg, onpolicy_share=0.0, init_from="", unlikelihood_weight=0.0,
+                               unlikelihood_cycles=False)
 
 
 def batch_at(streams: dict, cfg: DistillConfig, step: int):
@@ -358,13 +364,17 @@ def onpolicy_stream(cfg: DistillConfig, data: pathlib.Path):
     if not (data / "onpolicy.npy").exists():
         onpolicy.build(cfg.init_from, data, prompts=cfg.onpolicy_prompts, mix=cfg.onpolicy_mix,
                        seed=cfg.seed, repeat_ngram=cfg.unlikelihood_ngram,
+                       mark_cycles=cfg.unlikelihood_cycles,
                        log=lambda m: logging.warning("onpolicy: %s", m))
     record = json.loads((data / "onpolicy.json").read_text())
     repeats = data / "onpolicy_repeats.npy"
     if cfg.unlikelihood_weight and (not repeats.exists()
-                                    or record.get("repeat_ngram") != cfg.unlikelihood_ngram):
+                                    or record.get("repeat_ngram") != cfg.unlikelihood_ngram
+                                    or record.get("cycle_marks", False)
+                                    != cfg.unlikelihood_cycles):
         raise SystemExit(f"{data}: on-policy data without repeats of {cfg.unlikelihood_ngram}-"
-                         f"grams (built before, or for another n); pass another --workdir")
+                         f"grams{' and periodic runs' if cfg.unlikelihood_cycles else ''} "
+                         f"(built before, or with other marks); pass another --workdir")
     return np.load(data / "onpolicy.npy"), (np.load(repeats) if repeats.exists() else None)
 
 
@@ -441,7 +451,8 @@ def make_step(teacher, graphdef, cfg: DistillConfig, scale, tx):
                 loss, terms = loss + cfg.kl_weight * div.sum(), jnp.concatenate([terms, div])
             if cfg.unlikelihood_weight:
                 ul = unlikelihood(got[-1], targets, repeats, ul_rows)
-                loss, terms = loss + cfg.unlikelihood_weight * ul, jnp.concatenate([terms, ul[None]])
+                loss = loss + cfg.unlikelihood_weight * ul
+                terms = jnp.concatenate([terms, ul[None]])
             return loss, terms
 
         (loss, per_loop), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -652,6 +663,9 @@ def define_flags() -> None:
                        "n-grams of the on-policy prose answers, read out at the last loop "
                        "(default 0).")
     flags.DEFINE_integer("unlikelihood_ngram", None, "n of those n-grams (default 4).")
+    flags.DEFINE_bool("unlikelihood_cycles", None, "Also the unlikelihood of the tokens of every "
+                      "on-policy answer, code and sums too, that end a periodic run (default "
+                      "off).")
     flags.DEFINE_integer("seed", None, "Fixes the batches' windows and the on-policy prompts "
                          "(default 0).")
     flags.DEFINE_integer("max_steps_this_run", None, "Stop after this many steps (resumable).")
@@ -661,7 +675,8 @@ def define_flags() -> None:
 FLAG_FIELDS = ("steps", "minutes", "batch_size", "prelude_layers", "replaced_layers",
                "core_layers", "num_loops", "out_scale", "loop_weights", "peak_lr", "kl_weight",
                "kl_every_depth", "init_from", "onpolicy_share", "onpolicy_prompts",
-               "onpolicy_mix", "unlikelihood_weight", "unlikelihood_ngram", "seed")
+               "onpolicy_mix", "unlikelihood_weight", "unlikelihood_ngram",
+               "unlikelihood_cycles", "seed")
 
 
 def config_from_flags(values: dict) -> DistillConfig:

@@ -2,7 +2,7 @@
 
     python -m train_looped.onpolicy --student=checkpoints/smol_loop_r2 --out=/tmp/onpolicy
         [--prompts=400] [--mix=base|broad] [--max_new_tokens=128] [--batch_size=25] [--seed=0]
-        [--repeat_ngram=4]
+        [--repeat_ngram=4] [--mark_cycles]
 
 The corpus holds text people wrote; a distilled looped model is judged on its own greedy text,
 and a model a few hundredths of a nat behind its teacher can still fall into a loop there that
@@ -31,9 +31,17 @@ Each prompt's document is the prompt's ids followed by the student's greedy ids 
 decoding, up to --max_new_tokens, its EOS kept); documents are joined by <|endoftext|>. Writes
 `onpolicy.npy` (the int32 stream), `onpolicy_repeats.npy` (uint8, aligned with the stream: 1
 where a token of a prose answer, one of PROSE_KINDS, completes an n-gram of --repeat_ngram
-tokens that the same answer already holds; `repeated_ngrams`), `onpolicy.jsonl` (every prompt
+tokens that the same answer already holds; `repeated_ngrams`; with --mark_cycles also where
+a token of any answer ends a periodic run, `periodic_tail`), `onpolicy.jsonl` (every prompt
 and answer as text) and `onpolicy.json` (the record: counts per kind, tokens, repeats, seconds,
 the student). `distill --unlikelihood_weight` reads the repeats.
+
+Code and worked sums rightly repeat names, numbers and short lines, so their n-gram repeats are
+not marked; what marks a loop in them is a run: the same stretch of tokens written three times
+in a row (`()()()`, `+ 2 * 2 + 2 * 2 + 2 * 2`, `#### 2000000...`, a two-line function written
+over and over). `periodic_tail` marks the tokens where the answer so far ends in one, by the rule
+`benchmarks.degeneracy` scores an output's end with (period p <= CYCLE_PERIOD, the last
+max(3p, CYCLE_TOKENS) tokens repeating with period p).
 """
 
 from __future__ import annotations
@@ -63,6 +71,10 @@ MAX_CLASS_CHARS = 3000
 # of a loop; code and worked sums (`code`, `write`, `class`, `gsm8k`) repeat names and numbers
 # as they should, and the FAQ answers hold code
 PROSE_KINDS = ("asked", "roleplay")
+# a periodic run (`periodic_tail`): period at most CYCLE_PERIOD tokens, at least
+# max(3 periods, CYCLE_TOKENS) tokens long, as benchmarks.degeneracy's cycles
+CYCLE_PERIOD = 16
+CYCLE_TOKENS = 12
 QUESTION_TOKENS = 48
 MIN_QUESTION_WORDS = 4
 PLACEHOLDER = "\x00QUESTION\x00"
@@ -212,20 +224,43 @@ def repeated_ngrams(ids, n: int) -> list[bool]:
     return out
 
 
-def repeat_marks(kinds, prompts, answers, n: int):
+def periodic_tail(ids, max_period: int = CYCLE_PERIOD,
+                  min_tokens: int = CYCLE_TOKENS) -> list[bool]:
+    """Per token j of `ids`: whether ids[:j + 1] ends in a periodic run, that is for some
+    period p <= max_period its last max(3p, min_tokens) tokens repeat with period p
+    (ids[i] == ids[i - p] over them). One pass: for each p, the count of consecutive positions
+    up to j where ids[i] == ids[i - p]."""
+    runs = [0] * (max_period + 1)
+    out = []
+    for j in range(len(ids)):
+        hit = False
+        for p in range(1, max_period + 1):
+            runs[p] = runs[p] + 1 if j >= p and ids[j] == ids[j - p] else 0
+            # a tail of L = max(3p, min_tokens) tokens repeats when its last L - p do
+            hit = hit or (j + 1 >= max(3 * p, min_tokens)
+                          and runs[p] >= max(3 * p, min_tokens) - p)
+        out.append(hit)
+    return out
+
+
+def repeat_marks(kinds, prompts, answers, n: int, cycles: bool = False):
     """uint8 marks aligned with the stream of documents prompt + answer + separator: 1 at the
     answer tokens of a PROSE_KINDS document that repeat an n-gram of the same answer
-    (`repeated_ngrams`), 0 elsewhere."""
+    (`repeated_ngrams`) and, with `cycles`, at the answer tokens of any document that end a
+    periodic run of the answer (`periodic_tail`); 0 elsewhere."""
     import numpy as np  # noqa: PLC0415
-    return np.concatenate([
-        np.asarray([False] * len(p) + (repeated_ngrams(a, n) if k in PROSE_KINDS
-                                       else [False] * len(a)) + [False], np.uint8)
-        for k, p, a in zip(kinds, prompts, answers)])
+    docs = []
+    for k, p, a in zip(kinds, prompts, answers):
+        marks = repeated_ngrams(a, n) if k in PROSE_KINDS else [False] * len(a)
+        if cycles:
+            marks = [m or c for m, c in zip(marks, periodic_tail(a))]
+        docs.append(np.asarray([False] * len(p) + marks + [False], np.uint8))
+    return np.concatenate(docs)
 
 
 def build(student: str, out: pathlib.Path, *, prompts: int = 400, mix: str = "base",
           max_new_tokens: int = 128, batch_size: int = 25, seed: int = 0,
-          repeat_ngram: int = 4, log=lambda m: None) -> dict:
+          repeat_ngram: int = 4, mark_cycles: bool = False, log=lambda m: None) -> dict:
     """Writes onpolicy.npy / .jsonl / .json into `out` (see the module doc) -> the record."""
     import numpy as np  # noqa: PLC0415
 
@@ -259,7 +294,8 @@ def build(student: str, out: pathlib.Path, *, prompts: int = 400, mix: str = "ba
     stream = np.concatenate([np.asarray(encoded[i] + list(answers[i]) + [sep], np.int32)
                              for i in range(len(items))])
     repeats = repeat_marks([kind for kind, _, _ in items], encoded,
-                           [list(answers[i]) for i in range(len(items))], repeat_ngram)
+                           [list(answers[i]) for i in range(len(items))], repeat_ngram,
+                           cycles=mark_cycles)
     out.mkdir(parents=True, exist_ok=True)
     np.save(out / "onpolicy.npy", stream)
     np.save(out / "onpolicy_repeats.npy", repeats)
@@ -272,6 +308,7 @@ def build(student: str, out: pathlib.Path, *, prompts: int = 400, mix: str = "ba
               "seed": seed, "tokens": int(stream.size),
               "answer_tokens": int(sum(len(a) for a in answers.values())),
               "repeat_ngram": repeat_ngram, "prose_kinds": list(PROSE_KINDS),
+              "cycle_marks": mark_cycles,
               "repeated_tokens": int(repeats.sum()),
               "seconds": round(time.perf_counter() - t0, 1)}
     (out / "onpolicy.json").write_text(json.dumps(record, indent=1))
@@ -283,6 +320,7 @@ def main(argv) -> int:
     record = build(FLAGS.student, pathlib.Path(FLAGS.out), prompts=FLAGS.prompts, mix=FLAGS.mix,
                    max_new_tokens=FLAGS.max_new_tokens, batch_size=FLAGS.batch_size,
                    seed=FLAGS.seed, repeat_ngram=FLAGS.repeat_ngram,
+                   mark_cycles=FLAGS.mark_cycles,
                    log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(record))
     return 0
@@ -297,4 +335,6 @@ if __name__ == "__main__":
     flags.DEFINE_integer("batch_size", 25, "Prompts decoded together.")
     flags.DEFINE_integer("seed", 0, "Fixes every choice.")
     flags.DEFINE_integer("repeat_ngram", 4, "n of the repeated n-grams marked in prose answers.")
+    flags.DEFINE_bool("mark_cycles", False, "Also mark the tokens of any answer that end a "
+                      "periodic run (`periodic_tail`).")
     app.run(main)
