@@ -230,8 +230,10 @@ def test_repeated_ngrams_mark_the_tokens_that_complete_a_seen_ngram():
 def test_periodic_tail_marks_where_the_answer_so_far_ends_in_a_cycle():
     """periodic_tail[j] is benchmarks.degeneracy's cycle rule applied to ids[:j + 1], on
     random token runs (a small vocabulary, so runs occur) and on the loops seen in outputs."""
-    from benchmarks.degeneracy import ends_in_cycle  # noqa: PLC0415
+    from benchmarks.degeneracy import MAX_PERIOD, MIN_CYCLE_TOKENS, ends_in_cycle  # noqa: PLC0415
     from train_looped.onpolicy import CYCLE_PERIOD, CYCLE_TOKENS, periodic_tail  # noqa: PLC0415
+    # the twin rules keep the same bounds (training may not import benchmarks)
+    assert (CYCLE_PERIOD, CYCLE_TOKENS) == (MAX_PERIOD, MIN_CYCLE_TOKENS)
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, k, size=60).tolist() for k in (1, 2, 3, 5) for _ in range(20)]
     seqs += [[9, 8] + [1, 2, 3] * 10 + [4], [5] * 11 + [6], list(range(40)),
