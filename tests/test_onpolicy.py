@@ -55,6 +55,9 @@ def test_kind_counts_add_up():
     assert broad == {"gsm8k": 96, "pyfaq": 24, "asked": 72, "code": 48, "write": 48,
                      "roleplay": 72, "class": 120}
     assert sum(onpolicy.kind_counts(401, "broad").values()) == 401
+    assert onpolicy.kind_counts(480, "code") == {"gsm8k": 48, "pyfaq": 24, "asked": 72,
+                                                 "code": 72, "write": 144, "roleplay": 48,
+                                                 "class": 72}
     with pytest.raises(ValueError, match="at least 7 prompts"):
         onpolicy.kind_counts(6, "broad")
     with pytest.raises(ValueError, match="unknown mix 'wide'"):

@@ -25,7 +25,8 @@ Prompts (none from a benchmark set; every choice fixed by --seed):
   module's imports, the class line and docstring, `__init__`'s signature with `pass`, and up to
   CLASS_METHODS public methods' signatures and docstrings without bodies (as ClassEval's).
 
-`--mix` picks the kinds' shares (MIXES): `base`, the first five; `broad`, all seven.
+`--mix` picks the kinds' shares (MIXES): `base`, the first five; `broad`, all seven; `code`,
+all seven with `write` a third of them (short functions, the shape of MBPP's tasks).
 
 Each prompt's document is the prompt's ids followed by the student's greedy ids (plain
 decoding, up to --max_new_tokens, its EOS kept); documents are joined by <|endoftext|>. Writes
@@ -62,6 +63,10 @@ MIXES = {
     "base": (("gsm8k", 0.25), ("pyfaq", 0.1), ("asked", 0.35), ("code", 0.15), ("write", 0.15)),
     "broad": (("gsm8k", 0.2), ("pyfaq", 0.05), ("asked", 0.15), ("code", 0.1), ("write", 0.1),
               ("roleplay", 0.15), ("class", 0.25)),
+    # broad's kinds with code first: a third of the prompts ask for one short function, as
+    # MBPP's tasks do
+    "code": (("gsm8k", 0.1), ("pyfaq", 0.05), ("asked", 0.15), ("code", 0.15), ("write", 0.3),
+             ("roleplay", 0.1), ("class", 0.15)),
 }
 ROLEPLAY_OPENERS = ("Imagine you are", "Pretend you are", "Act as", "You are a",
                     "Role-play as", "Write a story in which you are")
