@@ -1,7 +1,7 @@
 """On-policy chat data for `train_looped.distill`: a student's own greedy answers.
 
     python -m train_looped.onpolicy --student=checkpoints/smol_loop_r2 --out=/tmp/onpolicy
-        [--prompts=400] [--mix=base|broad] [--max_new_tokens=128] [--batch_size=25] [--seed=0]
+        [--prompts=400] [--mix=base|broad|code] [--max_new_tokens=128] [--batch_size=25] [--seed=0]
         [--repeat_ngram=4] [--mark_cycles]
 
 The corpus holds text people wrote; a distilled looped model is judged on its own greedy text,
@@ -19,10 +19,10 @@ Prompts (none from a benchmark set; every choice fixed by --seed):
 - `code`: the header and docstring of a top-level function of the train split's standard
   library files, as raw text (as HumanEval and ClassEval are encoded);
 - `write`: "Write a Python function `name(args)`: <the docstring's first line>" as a chat;
-- `roleplay` (mix `broad`): questions SmolLM2 asks when its user turn is opened with one of
-  ROLEPLAY_OPENERS ("Imagine you are", ...), sampled as `asked` ones, the opener kept;
-- `class` (mix `broad`): a class skeleton of the train split's standard library, raw: the
-  module's imports, the class line and docstring, `__init__`'s signature with `pass`, and up to
+- `roleplay` (mixes `broad`, `code`): questions SmolLM2 asks when its user turn is opened with
+  one of ROLEPLAY_OPENERS ("Imagine you are", ...), sampled as `asked` ones, the opener kept;
+- `class` (mixes `broad`, `code`): a class skeleton of the train split's standard library, raw:
+  the module's imports, the class line and docstring, `__init__`'s signature with `pass`, and up to
   CLASS_METHODS public methods' signatures and docstrings without bodies (as ClassEval's).
 
 `--mix` picks the kinds' shares (MIXES): `base`, the first five; `broad`, all seven; `code`,
