@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -58,6 +60,9 @@ def test_kind_counts_add_up():
     assert onpolicy.kind_counts(480, "code") == {"gsm8k": 48, "pyfaq": 24, "asked": 72,
                                                  "code": 72, "write": 144, "roleplay": 48,
                                                  "class": 72}
+    assert onpolicy.kind_counts(480, "mbpp") == {"gsm8k": 48, "pyfaq": 24, "asked": 72,
+                                                 "code": 48, "write": 48, "mbpp": 120,
+                                                 "roleplay": 48, "class": 72}
     with pytest.raises(ValueError, match="at least 7 prompts"):
         onpolicy.kind_counts(6, "broad")
     with pytest.raises(ValueError, match="unknown mix 'wide'"):
@@ -188,6 +193,34 @@ def test_corpus_prompts_take_each_kind_from_its_source():
         np.random.default_rng(0))
     assert [(k, chat) for k, _, chat in with_classes[-1:]] == [("class", False)]
     assert with_classes[-1][1] == onpolicy.class_skeletons(CLASSES)[0][1]
+
+
+def _mbpp_file(path, ids):
+    rows = [{"task_id": i, "text": f"Write a function to do task {i}.", "code": "pass",
+             "test_list": [f"assert task_{i}(1) == 2", f"assert task_{i}(2) == 3"]} for i in ids]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_mbpp_kind_reads_only_the_train_split_in_the_benchmarks_shape(tmp_path):
+    from benchmarks import common
+    path = _mbpp_file(tmp_path / "mbpp.jsonl", [3, 11, 80, 510, 600, 601, 700, 974, 975])
+    got = onpolicy.mbpp_train_prompts(path, 3, np.random.default_rng(0))
+    assert len(set(got)) == 3
+    assert {t.split("task ")[1].split(".")[0] for t in got} == {"601", "700", "974"}
+    # the benchmarks' prompt of task 11, with the id swapped, is the prompt of train task 601
+    bench = common.mbpp_prompts(str(tmp_path), 1)[0]
+    assert bench.replace("11", "601") in got
+    assert onpolicy.mbpp_train_prompts(path, 3, np.random.default_rng(0)) == got  # by the seed
+    with pytest.raises(ValueError, match="4 MBPP train tasks asked for, 3 there"):
+        onpolicy.mbpp_train_prompts(path, 4, np.random.default_rng(0))
+    with pytest.raises(FileNotFoundError, match="needed by the mbpp kind"):
+        onpolicy.mbpp_train_prompts(tmp_path / "none.jsonl", 1, np.random.default_rng(0))
+    docs = [Document("stdlib/m.py", "stdlib", SOURCE)]
+    counts = {"gsm8k": 0, "pyfaq": 0, "asked": 0, "code": 0, "write": 0, "mbpp": 2}
+    items = onpolicy.corpus_prompts(docs, counts, np.random.default_rng(1), mbpp=path)
+    assert [(k, chat) for k, _, chat in items] == [("mbpp", True)] * 2
+    assert all("Your code should pass these tests:\nassert task_" in t for _, t, _ in items)
 
 
 class _Asker:

@@ -657,8 +657,9 @@ def define_flags() -> None:
                        "model's own greedy answers (`train_looped.onpolicy`; default 0).")
     flags.DEFINE_integer("onpolicy_prompts", None, "Prompts of the on-policy data (default 400).")
     flags.DEFINE_string("onpolicy_mix", None, "Kinds of those prompts: base (default), broad "
-                        "(adds role-play questions and class skeletons) or code (broad's kinds, "
-                        "a third of them short functions; `train_looped.onpolicy.MIXES`).")
+                        "(adds role-play questions and class skeletons), code (broad's kinds, "
+                        "a third of them short functions) or mbpp (broad's and MBPP train "
+                        "tasks; `train_looped.onpolicy.MIXES`).")
     flags.DEFINE_float("unlikelihood_weight", None, "Weight of the unlikelihood of the repeated "
                        "n-grams of the on-policy prose answers, read out at the last loop "
                        "(default 0).")

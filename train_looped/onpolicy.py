@@ -1,8 +1,8 @@
 """On-policy chat data for `train_looped.distill`: a student's own greedy answers.
 
     python -m train_looped.onpolicy --student=checkpoints/smol_loop_r2 --out=/tmp/onpolicy
-        [--prompts=400] [--mix=base|broad|code] [--max_new_tokens=128] [--batch_size=25] [--seed=0]
-        [--repeat_ngram=4] [--mark_cycles]
+        [--prompts=400] [--mix=base|broad|code|mbpp] [--batch_size=25] [--seed=0]
+        [--max_new_tokens=128] [--repeat_ngram=4] [--mark_cycles]
 
 The corpus holds text people wrote; a distilled looped model is judged on its own greedy text,
 and a model a few hundredths of a nat behind its teacher can still fall into a loop there that
@@ -25,8 +25,11 @@ Prompts (none from a benchmark set; every choice fixed by --seed):
   the module's imports, the class line and docstring, `__init__`'s signature with `pass`, and up to
   CLASS_METHODS public methods' signatures and docstrings without bodies (as ClassEval's).
 
-`--mix` picks the kinds' shares (MIXES): `base`, the first five; `broad`, all seven; `code`,
-all seven with `write` a third of them (short functions, the shape of MBPP's tasks).
+- `mbpp` (mix `mbpp`): a task of MBPP's *train* split (ids 601-974; the benchmarks read its test
+  split) with its asserts, as the benchmarks give MBPP's test tasks, through the chat template.
+
+`--mix` picks the kinds' shares (MIXES): `base`, the first five; `broad`, all but `mbpp`;
+`code`, broad's with `write` a third of them; `mbpp`, all eight.
 
 Each prompt's document is the prompt's ids followed by the student's greedy ids (plain
 decoding, up to --max_new_tokens, its EOS kept); documents are joined by <|endoftext|>. Writes
@@ -67,7 +70,12 @@ MIXES = {
     # MBPP's tasks do
     "code": (("gsm8k", 0.1), ("pyfaq", 0.05), ("asked", 0.15), ("code", 0.15), ("write", 0.3),
              ("roleplay", 0.1), ("class", 0.15)),
+    # broad's kinds and a quarter MBPP train tasks, asserts and all
+    "mbpp": (("gsm8k", 0.1), ("pyfaq", 0.05), ("asked", 0.15), ("code", 0.1), ("write", 0.1),
+             ("mbpp", 0.25), ("roleplay", 0.1), ("class", 0.15)),
 }
+# MBPP's train split; the benchmarks read its test split (task ids 11-510)
+MBPP_TRAIN_IDS = range(601, 975)
 ROLEPLAY_OPENERS = ("Imagine you are", "Pretend you are", "Act as", "You are a",
                     "Role-play as", "Write a story in which you are")
 CLASS_METHODS = 6
@@ -167,8 +175,35 @@ def question_prefix(tok) -> list[int]:
     return list(tok.encode(rendered.split(PLACEHOLDER)[0], add_special_tokens=False))
 
 
-def corpus_prompts(docs, counts: dict[str, int], rng) -> list[tuple[str, str, bool]]:
-    """(kind, text, chat) prompts of the corpus documents `docs` for every kind but `asked`."""
+def default_mbpp() -> pathlib.Path:
+    """`../shared/data/mbpp.jsonl` beside the repository (shared/data/SOURCES.md)."""
+    return pathlib.Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "mbpp.jsonl"
+
+
+def mbpp_train_prompts(path: str | pathlib.Path, n: int, rng) -> list[str]:
+    """n tasks of MBPP's train split (MBPP_TRAIN_IDS) in the shape `benchmarks.degeneracy` and
+    the suite give its test tasks: the task, "Your code should pass these tests:", the asserts
+    one per line."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: MBPP (mbpp.jsonl, shared/data/SOURCES.md) is needed by "
+                                f"the mbpp kind")
+    tasks = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            obj = json.loads(line) if line.strip() else None
+            if isinstance(obj, dict) and obj.get("task_id") in MBPP_TRAIN_IDS:
+                tests = "\n".join(str(t) for t in obj["test_list"])
+                tasks.append(f"{obj['text']}\nYour code should pass these tests:\n{tests}")
+    if len(tasks) < n:
+        raise ValueError(f"{path}: {n} MBPP train tasks asked for, {len(tasks)} there")
+    return [tasks[i] for i in rng.permutation(len(tasks))[:n]]
+
+
+def corpus_prompts(docs, counts: dict[str, int], rng,
+                   mbpp: str | pathlib.Path | None = None) -> list[tuple[str, str, bool]]:
+    """(kind, text, chat) prompts of the corpus documents `docs` (and of MBPP's train split, at
+    `mbpp` or default_mbpp()) for every kind but `asked` and `roleplay`."""
     from train_looped.corpus import chat_messages  # noqa: PLC0415
     out = []
     for kind in ("gsm8k", "pyfaq"):
@@ -188,6 +223,9 @@ def corpus_prompts(docs, counts: dict[str, int], rng) -> list[tuple[str, str, bo
         classes = [c for d in stdlib for c in class_skeletons(d.text)]
         for i in rng.permutation(len(classes))[:counts["class"]]:
             out.append(("class", classes[i][1], False))
+    if counts.get("mbpp"):
+        out += [("mbpp", t, True)
+                for t in mbpp_train_prompts(mbpp or default_mbpp(), counts["mbpp"], rng)]
     return out
 
 
