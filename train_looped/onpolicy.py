@@ -11,7 +11,7 @@ student's own outputs puts the teacher's correction where the student's greedy d
 (on-policy distillation, as in GKD). `distill --onpolicy_share` builds this data with the
 model it starts from (`--init_from`) and mixes it into every batch.
 
-Prompts (none from a benchmark set; every choice fixed by --seed):
+Prompts (none from a set the benchmarks read; every choice fixed by --seed):
 - `gsm8k`: GSM8K *train* questions of the corpus's train split, through the chat template;
 - `pyfaq`: the Python FAQ questions of the train split, through the chat template;
 - `asked`: questions SmolLM2 itself asks: its chat template's user turn opened and sampled at
@@ -19,12 +19,11 @@ Prompts (none from a benchmark set; every choice fixed by --seed):
 - `code`: the header and docstring of a top-level function of the train split's standard
   library files, as raw text (as HumanEval and ClassEval are encoded);
 - `write`: "Write a Python function `name(args)`: <the docstring's first line>" as a chat;
-- `roleplay` (mixes `broad`, `code`): questions SmolLM2 asks when its user turn is opened with
+- `roleplay` (all mixes but `base`): questions SmolLM2 asks when its user turn is opened with
   one of ROLEPLAY_OPENERS ("Imagine you are", ...), sampled as `asked` ones, the opener kept;
-- `class` (mixes `broad`, `code`): a class skeleton of the train split's standard library, raw:
+- `class` (all mixes but `base`): a class skeleton of the train split's standard library, raw:
   the module's imports, the class line and docstring, `__init__`'s signature with `pass`, and up to
-  CLASS_METHODS public methods' signatures and docstrings without bodies (as ClassEval's).
-
+  CLASS_METHODS public methods' signatures and docstrings without bodies (as ClassEval's);
 - `mbpp` (mix `mbpp`): a task of MBPP's *train* split (ids 601-974; the benchmarks read its test
   split) with its asserts, as the benchmarks give MBPP's test tasks, through the chat template.
 
