@@ -167,9 +167,13 @@ def gsm8k_documents(path: str | os.PathLike) -> Iterator[Document]:
                 yield Document(f"gsm8k/{n}", "gsm8k", chat_text(item["question"], answer))
 
 
+def shared_data(name: str) -> pathlib.Path:
+    """The file `name` of `../shared/data` beside the repository (shared/data/SOURCES.md)."""
+    return pathlib.Path(__file__).resolve().parent.parent.parent / "shared" / "data" / name
+
+
 def default_gsm8k_train() -> pathlib.Path:
-    here = pathlib.Path(__file__).resolve().parent.parent
-    return here.parent / "shared" / "data" / "gsm8k_train.jsonl"
+    return shared_data("gsm8k_train.jsonl")
 
 
 def all_documents(stdlib_root=None, docs_sources=None, gsm8k_train=None) -> list[Document]:

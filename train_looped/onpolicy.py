@@ -174,11 +174,6 @@ def question_prefix(tok) -> list[int]:
     return list(tok.encode(rendered.split(PLACEHOLDER)[0], add_special_tokens=False))
 
 
-def default_mbpp() -> pathlib.Path:
-    """`../shared/data/mbpp.jsonl` beside the repository (shared/data/SOURCES.md)."""
-    return pathlib.Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "mbpp.jsonl"
-
-
 def mbpp_train_prompts(path: str | pathlib.Path, n: int, rng) -> list[str]:
     """n tasks of MBPP's train split (MBPP_TRAIN_IDS) in the shape `benchmarks.degeneracy` and
     the suite give its test tasks: the task, "Your code should pass these tests:", the asserts
@@ -202,8 +197,8 @@ def mbpp_train_prompts(path: str | pathlib.Path, n: int, rng) -> list[str]:
 def corpus_prompts(docs, counts: dict[str, int], rng,
                    mbpp: str | pathlib.Path | None = None) -> list[tuple[str, str, bool]]:
     """(kind, text, chat) prompts of the corpus documents `docs` (and of MBPP's train split, at
-    `mbpp` or default_mbpp()) for every kind but `asked` and `roleplay`."""
-    from train_looped.corpus import chat_messages  # noqa: PLC0415
+    `mbpp` or shared/data's mbpp.jsonl) for every kind but `asked` and `roleplay`."""
+    from train_looped.corpus import chat_messages, shared_data  # noqa: PLC0415
     out = []
     for kind in ("gsm8k", "pyfaq"):
         mine = [d for d in docs if d.source == kind]
@@ -224,7 +219,7 @@ def corpus_prompts(docs, counts: dict[str, int], rng,
             out.append(("class", classes[i][1], False))
     if counts.get("mbpp"):
         out += [("mbpp", t, True)
-                for t in mbpp_train_prompts(mbpp or default_mbpp(), counts["mbpp"], rng)]
+                for t in mbpp_train_prompts(mbpp or shared_data("mbpp.jsonl"), counts["mbpp"], rng)]
     return out
 
 
