@@ -286,11 +286,16 @@ def test_unlikelihood_settings_validated():
                                unlikelihood_cycles=True).unlikelihood_cycles
     with pytest.raises(ValueError, match="unlikelihood_cycles needs unlikelihood_weight > 0"):
         dataclasses.replace(on, unlikelihood_cycles=True)
+    assert dataclasses.replace(on, unlikelihood_weight=1.0,
+                               unlikelihood_redefinitions=True).unlikelihood_redefinitions
+    with pytest.raises(ValueError, match="unlikelihood_redefinitions needs unlikelihood_weight"):
+        dataclasses.replace(on, unlikelihood_redefinitions=True)
     # the state scale is measured on corpus rows alone, a valid setting of its own
     alone = distill.corpus_only(dataclasses.replace(on, unlikelihood_weight=1.0,
-                                                    unlikelihood_cycles=True))
+                                                    unlikelihood_cycles=True,
+                                                    unlikelihood_redefinitions=True))
     assert distill.onpolicy_rows(alone) == 0 and alone.unlikelihood_weight == 0
-    assert not alone.unlikelihood_cycles
+    assert not alone.unlikelihood_cycles and not alone.unlikelihood_redefinitions
     old = json.loads(json.dumps(dataclasses.asdict(on)))
     older = {k: v for k, v in old.items() if not k.startswith("unlikelihood")}
     assert distill.changed_settings(older, on) == []
@@ -300,7 +305,8 @@ def test_unlikelihood_settings_validated():
 
 def test_onpolicy_data_must_hold_the_marks_the_run_asks_for(tmp_path):
     """A workdir's on-policy data is reused only when its marks are the run's: the n-gram size
-    and whether periodic runs were marked (data from before that field counts as unmarked)."""
+    and whether periodic runs and redefinitions were marked (data from before those fields
+    counts as unmarked)."""
     on = dataclasses.replace(CFG, init_from="x", onpolicy_share=0.5, kl_weight=1.0,
                              unlikelihood_weight=1.0)
     np.save(tmp_path / "onpolicy.npy", np.arange(10, dtype=np.int32))
@@ -309,7 +315,7 @@ def test_onpolicy_data_must_hold_the_marks_the_run_asks_for(tmp_path):
     stream, repeats = distill.onpolicy_stream(on, tmp_path)
     assert stream.tolist() == list(range(10)) and repeats.shape == (10,)
     cycles = dataclasses.replace(on, unlikelihood_cycles=True)
-    with pytest.raises(SystemExit, match="and periodic runs"):
+    with pytest.raises(SystemExit, match="4-grams, periodic runs;"):
         distill.onpolicy_stream(cycles, tmp_path)
     with pytest.raises(SystemExit, match="pass another --workdir"):
         distill.onpolicy_stream(dataclasses.replace(on, unlikelihood_ngram=3), tmp_path)
@@ -317,6 +323,14 @@ def test_onpolicy_data_must_hold_the_marks_the_run_asks_for(tmp_path):
     assert distill.onpolicy_stream(cycles, tmp_path)[1].shape == (10,)
     with pytest.raises(SystemExit, match="pass another --workdir"):
         distill.onpolicy_stream(on, tmp_path)
+    redefs = dataclasses.replace(cycles, unlikelihood_redefinitions=True)
+    with pytest.raises(SystemExit, match="periodic runs, redefinitions;"):
+        distill.onpolicy_stream(redefs, tmp_path)
+    (tmp_path / "onpolicy.json").write_text(json.dumps(
+        {"repeat_ngram": 4, "cycle_marks": True, "redefinition_marks": True}))
+    assert distill.onpolicy_stream(redefs, tmp_path)[1].shape == (10,)
+    with pytest.raises(SystemExit, match="pass another --workdir"):
+        distill.onpolicy_stream(cycles, tmp_path)
 
 
 def test_repeat_masks_follow_the_batch_targets():

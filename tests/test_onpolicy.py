@@ -307,3 +307,41 @@ def test_repeat_marks_follow_the_stream_and_mark_prose_answers_only():
     doc = [0, 0] + [0, 0, 0, 1, 1] + [0]  # prompt, answer, separator
     assert marks.dtype == np.uint8
     assert marks.tolist() == doc + [0] * len(doc) + doc
+
+
+def test_redefinitions_mark_a_function_written_again_under_its_name_or_a_longer_one():
+    """The loop of a bare code answer (a function, then the same function again under a longer
+    name, to the token limit) is marked from each redefinition's `def` line to the next line at
+    column 0; a helper of another name, nested defs and the first definition are not."""
+    from train_looped.onpolicy import redefinitions  # noqa: PLC0415
+    text = ("def sort_list(xs):\n    return sorted(xs)\n\n"
+            "def helper(x):\n    def sort_list(y):\n        return y\n    return x\n\n"
+            "def sort_list_of_strings(xs):\n    return sorted(xs)\n\n"
+            "print(sort_list([2, 1]))\n"
+            "def sort_list(xs):\n    return xs")
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]  # tokens of three characters
+    marks = redefinitions(pieces)
+    assert len(marks) == len(pieces)
+    first = text.index("def sort_list_of_strings")
+    stop = text.index("print(")
+    last = text.rindex("def sort_list(")
+    want = [(a < stop and a + 3 > first) or a + 3 > last for a in range(0, len(text), 3)]
+    assert marks == want
+    assert any(marks) and not all(marks)
+    # no earlier definition of the name, or prose: nothing marked; empty tokens (EOS) are not
+    assert not any(redefinitions(["def f(x):\n", "    return x\n", "def g(x):\n", "  pass"]))
+    assert not any(redefinitions(["The answer is ", "def", "initely yes.\ndef", "ault"]))
+    assert redefinitions(["def f():\n  pass\n", "def f():", "\n  pass", ""]) == [
+        False, True, True, False]
+
+
+def test_repeat_marks_add_every_kinds_redefinitions_given_the_pieces():
+    from train_looped.onpolicy import repeat_marks  # noqa: PLC0415
+    pieces = ["def f", "(x):\n", "  return x\n", "def f", "2(x):\n", "  return x\n"]
+    answer = [11, 12, 13, 11, 14, 13]
+    marks = repeat_marks(["code", "asked"], [[5]] * 2, [answer] * 2, 4,
+                         answer_pieces=[pieces] * 2)
+    assert marks.tolist() == ([0] + [0, 0, 0, 1, 1, 1] + [0]) * 2
+    assert not repeat_marks(["code"], [[5]], [answer], 4).any()
+    with pytest.raises(ValueError, match="5 pieces for 6 tokens"):
+        repeat_marks(["code"], [[5]], [answer], 4, answer_pieces=[pieces[:5]])

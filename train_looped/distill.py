@@ -75,7 +75,10 @@ prose answers (`onpolicy.PROSE_KINDS`) that complete an n-gram the same answer a
 (--unlikelihood_ngram, default 4; marked when the data is built), read out at the last loop and
 summed over the on-policy rows' positions divided by their number. --unlikelihood_cycles also
 marks the tokens of every on-policy answer, code and sums included, that end a periodic run
-(`onpolicy.periodic_tail`: the same stretch of at most 16 tokens written three times in a row).
+(`onpolicy.periodic_tail`: the same stretch of at most 16 tokens written three times in a row);
+--unlikelihood_redefinitions also marks the tokens of every on-policy answer that belong to a
+function the answer defines again (`onpolicy.redefinitions`: `def f` then `def f_list` with the
+same body, the loop of a bare code answer, whose period is a whole function).
 
 Training saves an Orbax checkpoint to --workdir every few minutes and on Ctrl-C; running the
 same command again resumes. --steps larger than the workdir's recorded step count extends the
@@ -135,6 +138,7 @@ class DistillConfig:
     unlikelihood_weight: float = 0.0   # > 0: plus unlikelihood of the on-policy prose repeats
     unlikelihood_ngram: int = 4        # n of those repeated n-grams
     unlikelihood_cycles: bool = False  # also every answer's periodic runs
+    unlikelihood_redefinitions: bool = False  # also every answer's functions defined again
 
     def __post_init__(self):
         if self.replaced_layers % self.num_loops:
@@ -167,6 +171,8 @@ class DistillConfig:
             raise ValueError(f"unlikelihood_ngram must be >= 1, got {self.unlikelihood_ngram}")
         if self.unlikelihood_cycles and not self.unlikelihood_weight:
             raise ValueError("unlikelihood_cycles needs unlikelihood_weight > 0")
+        if self.unlikelihood_redefinitions and not self.unlikelihood_weight:
+            raise ValueError("unlikelihood_redefinitions needs unlikelihood_weight > 0")
 
     @property
     def teacher_depths(self) -> list[int]:
@@ -234,7 +240,7 @@ def windows_at(streams: dict, cfg: DistillConfig, step: int) -> list[tuple[str, 
 def corpus_only(cfg: DistillConfig) -> DistillConfig:
     """cfg without its on-policy rows (and what needs them): batches of the corpus alone."""
     return dataclasses.replace(cfg, onpolicy_share=0.0, init_from="", unlikelihood_weight=0.0,
-                               unlikelihood_cycles=False)
+                               unlikelihood_cycles=False, unlikelihood_redefinitions=False)
 
 
 def batch_at(streams: dict, cfg: DistillConfig, step: int):
@@ -365,16 +371,22 @@ def onpolicy_stream(cfg: DistillConfig, data: pathlib.Path):
         onpolicy.build(cfg.init_from, data, prompts=cfg.onpolicy_prompts, mix=cfg.onpolicy_mix,
                        seed=cfg.seed, repeat_ngram=cfg.unlikelihood_ngram,
                        mark_cycles=cfg.unlikelihood_cycles,
+                       mark_redefinitions=cfg.unlikelihood_redefinitions,
                        log=lambda m: logging.warning("onpolicy: %s", m))
     record = json.loads((data / "onpolicy.json").read_text())
     repeats = data / "onpolicy_repeats.npy"
     if cfg.unlikelihood_weight and (not repeats.exists()
                                     or record.get("repeat_ngram") != cfg.unlikelihood_ngram
                                     or record.get("cycle_marks", False)
-                                    != cfg.unlikelihood_cycles):
-        raise SystemExit(f"{data}: on-policy data without repeats of {cfg.unlikelihood_ngram}-"
-                         f"grams{' and periodic runs' if cfg.unlikelihood_cycles else ''} "
-                         f"(built before, or with other marks); pass another --workdir")
+                                    != cfg.unlikelihood_cycles
+                                    or record.get("redefinition_marks", False)
+                                    != cfg.unlikelihood_redefinitions):
+        marks = ([f"repeats of {cfg.unlikelihood_ngram}-grams"]
+                 + ["periodic runs"] * cfg.unlikelihood_cycles
+                 + ["redefinitions"] * cfg.unlikelihood_redefinitions)
+        raise SystemExit(f"{data}: on-policy data without the marks this run asks for "
+                         f"({', '.join(marks)}; built before, or with other marks); pass "
+                         f"another --workdir")
     return np.load(data / "onpolicy.npy"), (np.load(repeats) if repeats.exists() else None)
 
 
@@ -667,6 +679,9 @@ def define_flags() -> None:
     flags.DEFINE_bool("unlikelihood_cycles", None, "Also the unlikelihood of the tokens of every "
                       "on-policy answer, code and sums too, that end a periodic run (default "
                       "off).")
+    flags.DEFINE_bool("unlikelihood_redefinitions", None, "Also the unlikelihood of the tokens "
+                      "of every on-policy answer that belong to a function it defines again "
+                      "(default off).")
     flags.DEFINE_integer("seed", None, "Fixes the batches' windows and the on-policy prompts "
                          "(default 0).")
     flags.DEFINE_integer("max_steps_this_run", None, "Stop after this many steps (resumable).")
@@ -677,7 +692,7 @@ FLAG_FIELDS = ("steps", "minutes", "batch_size", "prelude_layers", "replaced_lay
                "core_layers", "num_loops", "out_scale", "loop_weights", "peak_lr", "kl_weight",
                "kl_every_depth", "init_from", "onpolicy_share", "onpolicy_prompts",
                "onpolicy_mix", "unlikelihood_weight", "unlikelihood_ngram",
-               "unlikelihood_cycles", "seed")
+               "unlikelihood_cycles", "unlikelihood_redefinitions", "seed")
 
 
 def config_from_flags(values: dict) -> DistillConfig:

@@ -2,7 +2,7 @@
 
     python -m train_looped.onpolicy --student=checkpoints/smol_loop_r2 --out=/tmp/onpolicy
         [--prompts=400] [--mix=base|broad|code|mbpp] [--batch_size=25] [--seed=0]
-        [--max_new_tokens=128] [--repeat_ngram=4] [--mark_cycles]
+        [--max_new_tokens=128] [--repeat_ngram=4] [--mark_cycles] [--mark_redefinitions]
 
 The corpus holds text people wrote; a distilled looped model is judged on its own greedy text,
 and a model a few hundredths of a nat behind its teacher can still fall into a loop there that
@@ -35,7 +35,8 @@ decoding, up to --max_new_tokens, its EOS kept); documents are joined by <|endof
 `onpolicy.npy` (the int32 stream), `onpolicy_repeats.npy` (uint8, aligned with the stream: 1
 where a token of a prose answer, one of PROSE_KINDS, completes an n-gram of --repeat_ngram
 tokens that the same answer already holds; `repeated_ngrams`; with --mark_cycles also where
-a token of any answer ends a periodic run, `periodic_tail`), `onpolicy.jsonl` (every prompt
+a token of any answer ends a periodic run, `periodic_tail`, and with --mark_redefinitions where
+it belongs to a function the answer defines again, `redefinitions`), `onpolicy.jsonl` (every prompt
 and answer as text) and `onpolicy.json` (the record: counts per kind, tokens, repeats, seconds,
 the student). `distill --unlikelihood_weight` reads the repeats.
 
@@ -45,6 +46,13 @@ in a row (`()()()`, `+ 2 * 2 + 2 * 2 + 2 * 2`, `#### 2000000...`, a two-line fun
 over and over). `periodic_tail` marks the tokens where the answer so far ends in one, by the rule
 `benchmarks.degeneracy` scores an output's end with (period p <= CYCLE_PERIOD, the last
 max(3p, CYCLE_TOKENS) tokens repeating with period p).
+
+A bare code answer (first word `def`, no prose, no fence) has nothing to close, and goes on
+past its function by writing it again: `def sort_mixed_list(...)`, then
+`def sort_mixed_list_with_list_of_strings(...)` with the same body, and so on to the token
+limit. That repeat's period is a whole function, longer than CYCLE_PERIOD, so `periodic_tail`
+misses it; `redefinitions` marks it: the tokens of a function defined at column 0 whose name
+is, or extends, the name of one the same answer has already defined at column 0.
 """
 
 from __future__ import annotations
@@ -280,24 +288,63 @@ def periodic_tail(ids, max_period: int = CYCLE_PERIOD,
     return out
 
 
-def repeat_marks(kinds, prompts, answers, n: int, cycles: bool = False):
+_DEF_LINE = re.compile(r"def\s+([A-Za-z_]\w*)")
+
+
+def redefinitions(pieces) -> list[bool]:
+    """Per token of an answer, given each token's decoded text (`pieces`): whether it belongs
+    to a redefinition, a function defined at column 0 whose name is, or extends, the name of a
+    function the answer has already defined at column 0 (`def f` again, or `def f_list` after
+    `def f`). A redefinition runs from the start of its `def` line to the next non-blank line at
+    column 0 or the answer's end; a token belongs to it when its text overlaps it."""
+    text = "".join(pieces)
+    names: list[str] = []
+    spans, start, offset = [], None, 0
+    for line in text.split("\n"):
+        if line[:1] not in ("", " ", "\t"):  # a non-blank line at column 0 ends a function
+            if start is not None:
+                spans.append((start, offset))
+                start = None
+            m = _DEF_LINE.match(line)
+            if m:
+                if any(m.group(1).startswith(name) for name in names):
+                    start = offset
+                names.append(m.group(1))
+        offset += len(line) + 1
+    if start is not None:
+        spans.append((start, len(text)))
+    marks, end = [], 0
+    for piece in pieces:
+        begin, end = end, end + len(piece)
+        marks.append(any(begin < b and end > a for a, b in spans))
+    return marks
+
+
+def repeat_marks(kinds, prompts, answers, n: int, cycles: bool = False, answer_pieces=None):
     """uint8 marks aligned with the stream of documents prompt + answer + separator: 1 at the
     answer tokens of a PROSE_KINDS document that repeat an n-gram of the same answer
-    (`repeated_ngrams`) and, with `cycles`, at the answer tokens of any document that end a
-    periodic run of the answer (`periodic_tail`); 0 elsewhere."""
+    (`repeated_ngrams`), with `cycles` at the answer tokens of any document that end a periodic
+    run of the answer (`periodic_tail`), and, given `answer_pieces` (per answer, its tokens'
+    decoded texts), at the answer tokens of any document that belong to a redefinition
+    (`redefinitions`); 0 elsewhere."""
     import numpy as np  # noqa: PLC0415
     docs = []
-    for k, p, a in zip(kinds, prompts, answers):
+    for i, (k, p, a) in enumerate(zip(kinds, prompts, answers)):
         marks = repeated_ngrams(a, n) if k in PROSE_KINDS else [False] * len(a)
         if cycles:
             marks = [m or c for m, c in zip(marks, periodic_tail(a))]
+        if answer_pieces is not None:
+            if len(answer_pieces[i]) != len(a):
+                raise ValueError(f"answer {i}: {len(answer_pieces[i])} pieces for {len(a)} tokens")
+            marks = [m or r for m, r in zip(marks, redefinitions(answer_pieces[i]))]
         docs.append(np.asarray([False] * len(p) + marks + [False], np.uint8))
     return np.concatenate(docs)
 
 
 def build(student: str, out: pathlib.Path, *, prompts: int = 400, mix: str = "base",
           max_new_tokens: int = 128, batch_size: int = 25, seed: int = 0,
-          repeat_ngram: int = 4, mark_cycles: bool = False, log=lambda m: None) -> dict:
+          repeat_ngram: int = 4, mark_cycles: bool = False, mark_redefinitions: bool = False,
+          log=lambda m: None) -> dict:
     """Writes onpolicy.npy / .jsonl / .json into `out` (see the module doc) -> the record."""
     import numpy as np  # noqa: PLC0415
 
@@ -330,9 +377,11 @@ def build(student: str, out: pathlib.Path, *, prompts: int = 400, mix: str = "ba
     sep = corpus.separator_id(engine.tokenizer)
     stream = np.concatenate([np.asarray(encoded[i] + list(answers[i]) + [sep], np.int32)
                              for i in range(len(items))])
+    pieces = ([[engine.decode([t]) for t in answers[i]] for i in range(len(items))]
+              if mark_redefinitions else None)
     repeats = repeat_marks([kind for kind, _, _ in items], encoded,
                            [list(answers[i]) for i in range(len(items))], repeat_ngram,
-                           cycles=mark_cycles)
+                           cycles=mark_cycles, answer_pieces=pieces)
     out.mkdir(parents=True, exist_ok=True)
     np.save(out / "onpolicy.npy", stream)
     np.save(out / "onpolicy_repeats.npy", repeats)
@@ -345,7 +394,7 @@ def build(student: str, out: pathlib.Path, *, prompts: int = 400, mix: str = "ba
               "seed": seed, "tokens": int(stream.size),
               "answer_tokens": int(sum(len(a) for a in answers.values())),
               "repeat_ngram": repeat_ngram, "prose_kinds": list(PROSE_KINDS),
-              "cycle_marks": mark_cycles,
+              "cycle_marks": mark_cycles, "redefinition_marks": mark_redefinitions,
               "repeated_tokens": int(repeats.sum()),
               "seconds": round(time.perf_counter() - t0, 1)}
     (out / "onpolicy.json").write_text(json.dumps(record, indent=1))
@@ -357,7 +406,7 @@ def main(argv) -> int:
     record = build(FLAGS.student, pathlib.Path(FLAGS.out), prompts=FLAGS.prompts, mix=FLAGS.mix,
                    max_new_tokens=FLAGS.max_new_tokens, batch_size=FLAGS.batch_size,
                    seed=FLAGS.seed, repeat_ngram=FLAGS.repeat_ngram,
-                   mark_cycles=FLAGS.mark_cycles,
+                   mark_cycles=FLAGS.mark_cycles, mark_redefinitions=FLAGS.mark_redefinitions,
                    log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(record))
     return 0
@@ -374,4 +423,6 @@ if __name__ == "__main__":
     flags.DEFINE_integer("repeat_ngram", 4, "n of the repeated n-grams marked in prose answers.")
     flags.DEFINE_bool("mark_cycles", False, "Also mark the tokens of any answer that end a "
                       "periodic run (`periodic_tail`).")
+    flags.DEFINE_bool("mark_redefinitions", False, "Also mark the tokens of any answer that "
+                      "belong to a function it defines again (`redefinitions`).")
     app.run(main)
