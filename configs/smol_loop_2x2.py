@@ -4,9 +4,11 @@ embedding and first 14 layers, then a block of two Llama layers run 2 times in p
 layers 14-15, then its last 14 layers, norm and tied head. The block started as copies of layers
 14 and 15 with their output projections halved; loop 1 was trained to read out as SmolLM2
 without layer 15 and loop 2 as SmolLM2 itself (KL through the coda), so the second loop does the
-work of a layer; further rounds trained it on its own greedy answers, the last two with the
-unlikelihood of the 4-grams its prose answers repeat, the last also of the periodic runs any
-answer ends in (code and sums too). Only the block is shipped
+work of a layer; further rounds trained it on its own greedy answers, the last four with the
+unlikelihood of the 4-grams its prose answers repeat, the last three also of the periodic runs
+any answer ends in (code and sums too), the last two, on prompts a quarter of them MBPP's train
+split, also of a function an answer defines again under its name or a longer one (rounds 1, 2,
+3, 5, 9 and 10 of checkpoints/README.md). Only the block is shipped
 (checkpoints/smol_loop_2x2, 14 MB bf16): the other layers and the tokenizer are read from the
 embedded SmolLM2 GGUF, checked by sha256. Prompts go through SmolLM2's chat template."""
 

@@ -238,7 +238,7 @@ def test_shipped_smol_loop_writes_text_and_uses_its_loops(name, margin):
     """The shipped model loads over the GGUF, its last loop predicts a fixed prose passage
     better than its first (by more than `margin` nats; smol_loop_r2 reads 3.52 -> 3.45 here, and
     on the 24 held-out windows of checkpoints/README.md smol_loop gains 0.57, smol_loop_r2
-    0.105, smol_loop_2x2 0.188) and its greedy chat reply is words, which LoopSpec and LoopAhead
+    0.105, smol_loop_2x2 0.198) and its greedy chat reply is words, which LoopSpec and LoopAhead
     (no drafter) reproduce, and so does LoopAhead with the model's shipped drafter,
     checkpoints/<name>_lad (the suite checks them on more prompts: benchmarks/results)."""
     engine = _shipped(name)

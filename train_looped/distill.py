@@ -11,21 +11,13 @@ one shared block run R times, the block trained to reproduce the replaced layers
         --kl_weight=1 --kl_every_depth --minutes=45
 
     # checkpoints/smol_loop_2x2: two layers run twice in place of layers 14-15, the same loss
-    # (round 1), then a round on its own greedy answers to 480 prompts of no benchmark set, then
-    # one more on answers to 480 others with the unlikelihood of its prose answers' repeats
+    # (round 1), then rounds on its own greedy answers (`--init_from=<the round before>
+    # --onpolicy_share=0.5`), later ones with the unlikelihood of its repeats
+    # (`--unlikelihood_weight=1 --unlikelihood_cycles --unlikelihood_redefinitions`); the
+    # shipped block's six commands (rounds 1, 2, 3, 5, 9 and 10) are in checkpoints/README.md
     python -m train_looped.distill --out=/tmp/smol_loop_2x2_round1 --prelude_layers=14 \
         --replaced_layers=2 --core_layers=2 --num_loops=2 --out_scale=0.5 --loop_weights=1,1 \
         --kl_weight=1 --kl_every_depth --minutes=45
-    python -m train_looped.distill --out=/tmp/smol_loop_2x2_round2 --prelude_layers=14 \
-        --replaced_layers=2 --core_layers=2 --num_loops=2 --out_scale=0.5 --loop_weights=1,1 \
-        --kl_weight=1 --kl_every_depth --init_from=/tmp/smol_loop_2x2_round1 \
-        --onpolicy_share=0.5 --onpolicy_mix=broad --onpolicy_prompts=480 --peak_lr=2e-4 \
-        --minutes=50
-    python -m train_looped.distill --out=checkpoints/smol_loop_2x2 --prelude_layers=14 \
-        --replaced_layers=2 --core_layers=2 --num_loops=2 --out_scale=0.5 --loop_weights=1,1 \
-        --kl_weight=1 --kl_every_depth --init_from=/tmp/smol_loop_2x2_round2 \
-        --onpolicy_share=0.5 --onpolicy_mix=broad --onpolicy_prompts=480 --peak_lr=2e-4 \
-        --minutes=45 --seed=2 --unlikelihood_weight=1
 
 The student (`models.recursive`, family "recursive"): SmolLM2's embedding and its first
 `prelude_layers` layers (the prelude, frozen), a block of `core_layers` pre-norm Llama layers run
