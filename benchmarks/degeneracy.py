@@ -29,10 +29,13 @@ ending at EOS, the mean length. Prints a Markdown table and writes degeneracy_<t
 output's ids, text and scores) into --out.
 
 --compare reads two such files (no model is loaded) and pairs their outputs prompt by prompt,
-per set and over all sets: outputs ending in a cycle in each, the mean distinct-4 difference
-A - B and its 95% paired bootstrap interval (prompts resampled with replacement, --resamples
-times). One output's distinct-4 ranges from under 0.2 to 1.0, so at 20 prompts a set a mean moves
-by several hundredths with the prompts drawn; the interval says whether a gap is more than that.
+per set and over all sets (when there are two or more): outputs ending in a cycle in each and
+the difference of their shares A - B, the mean distinct-4 difference A - B, and the two
+differences' 95% paired bootstrap intervals (prompts resampled with replacement, --resamples
+times). One output's distinct-4 ranges from under 0.2 to 1.0, so at 20 prompts a set a mean
+moves by several hundredths with the prompts drawn; the interval says whether a gap is more
+than that. A cycle is rare (a few outputs in a hundred), so one cycle more in A than in B is
+well inside its interval: the interval says how many more it would take.
 --skip N leaves out each set's first N prompts: run with --num_prompts 80 and compare with
 --skip 20 to score a model on prompts the 20-prompt sets do not hold (a development split for
 choosing between training runs, so the 20 stay unused for that choice).
@@ -142,10 +145,12 @@ def table(results: dict) -> str:
 
 def compare(a: dict, b: dict, resamples: int = 10_000, seed: int = 0, skip: int = 0) -> dict:
     """Paired comparison of two `run` results (A against B) on the prompts both scored, per
-    set and over "all" sets: {set: {prompts, cycles_a, cycles_b, distinct4_a, distinct4_b,
-    diff, low, high}} with diff the mean distinct-4 difference A - B and [low, high] its 95%
-    paired bootstrap interval. Prompts numbered below `skip` (each set's first `skip`) are
-    left out."""
+    set and over "all" sets (where there are two or more): {set: {prompts, cycles_a, cycles_b,
+    cycle_diff, cycle_low, cycle_high, distinct4_a, distinct4_b, diff, low, high}} with
+    cycle_diff the difference of the shares of outputs ending in a cycle, A - B, diff the mean
+    distinct-4 difference A - B, and [cycle_low, cycle_high], [low, high] their 95% paired
+    bootstrap intervals (both from the same resampled prompts). Prompts numbered below `skip`
+    (each set's first `skip`) are left out."""
     if resamples < 1:
         raise ValueError(f"resamples must be >= 1, got {resamples}")
     if skip < 0:
@@ -160,19 +165,23 @@ def compare(a: dict, b: dict, resamples: int = 10_000, seed: int = 0, skip: int 
                        if o["prompt"] in theirs and o["prompt"] >= skip]
     if not any(pairs.values()):
         raise ValueError("the two results share no scored prompt")
-    pairs["all"] = [p for v in pairs.values() for p in v]
+    if sum(bool(v) for v in pairs.values()) > 1:  # one set: "all" would be that set again
+        pairs["all"] = [p for v in pairs.values() for p in v]
     out = {}
     for name, ps in pairs.items():
         if not ps:
             continue
         da = np.array([x["distinct4"] for x, _ in ps])
         db = np.array([y["distinct4"] for _, y in ps])
-        d = da - db
-        means = d[rng.integers(0, len(d), size=(resamples, len(d)))].mean(axis=1)
-        low, high = np.quantile(means, [0.025, 0.975])
-        out[name] = {"prompts": len(ps),
-                     "cycles_a": sum(x["cycle"] > 0 for x, _ in ps),
-                     "cycles_b": sum(y["cycle"] > 0 for _, y in ps),
+        ca = np.array([x["cycle"] > 0 for x, _ in ps], np.float64)
+        cb = np.array([y["cycle"] > 0 for _, y in ps], np.float64)
+        d, c = da - db, ca - cb
+        draws = rng.integers(0, len(d), size=(resamples, len(d)))  # the same prompts for both
+        low, high = np.quantile(d[draws].mean(axis=1), [0.025, 0.975])
+        cycle_low, cycle_high = np.quantile(c[draws].mean(axis=1), [0.025, 0.975])
+        out[name] = {"prompts": len(ps), "cycles_a": int(ca.sum()), "cycles_b": int(cb.sum()),
+                     "cycle_diff": float(c.mean()), "cycle_low": float(cycle_low),
+                     "cycle_high": float(cycle_high),
                      "distinct4_a": float(da.mean()), "distinct4_b": float(db.mean()),
                      "diff": float(d.mean()), "low": float(low), "high": float(high)}
     return out
@@ -180,10 +189,12 @@ def compare(a: dict, b: dict, resamples: int = 10_000, seed: int = 0, skip: int 
 
 def compare_table(cmp: dict) -> str:
     rows = [[name, c["prompts"], f"{c['cycles_a']} / {c['cycles_b']}",
+             f"{c['cycle_diff']:+.3f} [{c['cycle_low']:+.3f}, {c['cycle_high']:+.3f}]",
              f"{c['distinct4_a']:.3f} / {c['distinct4_b']:.3f}",
              f"{c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]"] for name, c in cmp.items()]
-    return common.markdown_table(["set", "prompts", "end in a cycle: A / B", "distinct-4: A / B",
-                                  "A - B [95% interval]"], rows)
+    return common.markdown_table(["set", "prompts", "end in a cycle: A / B",
+                                  "cycle share A - B [95%]", "distinct-4: A / B",
+                                  "distinct-4 A - B [95%]"], rows)
 
 
 def _compare_main(paths: Sequence[str], resamples: int, seed: int, skip: int = 0) -> int:

@@ -362,8 +362,10 @@ def _scored(d4s, cycles=(), first=0):
 
 def test_degeneracy_compare(tmp_path, capsys):
     """--compare pairs two files' outputs by prompt: a constant gap has a zero-width interval
-    at that gap; a gap that differs in sign between prompts straddles zero; prompts or sets
-    only one side scored are left out; two files with nothing in common are an error."""
+    at that gap; a gap that differs in sign between prompts straddles zero; cycles in one side
+    only give a cycle-share difference whose interval excludes zero when every prompt differs
+    and holds it when one does; prompts or sets only one side scored are left out; two files
+    with nothing in common are an error."""
     from benchmarks import degeneracy  # noqa: PLC0415
     a = {"gsm8k": _scored([0.5] * 6, cycles=(1,)), "mbpp": _scored([1.0, 0.2, 1.0, 0.2]),
          "humaneval": _scored([0.9])}
@@ -371,6 +373,20 @@ def test_degeneracy_compare(tmp_path, capsys):
     cmp = degeneracy.compare(a, b, resamples=2000)
     g = cmp["gsm8k"]
     assert g["prompts"] == 5 and g["cycles_a"] == 1 and g["cycles_b"] == 0
+    assert g["cycle_diff"] == pytest.approx(0.2) and g["cycle_high"] > 0.2
+    assert g["cycle_low"] == pytest.approx(0.0)  # one cycle in five: often no cycle drawn
+    m = cmp["mbpp"]
+    assert m["cycle_diff"] == m["cycle_low"] == m["cycle_high"] == 0.0
+    loops = degeneracy.compare({"mbpp": _scored([0.2] * 4, cycles=range(4))},
+                               {"mbpp": _scored([0.2] * 4)}, resamples=500)["mbpp"]
+    assert loops["cycle_diff"] == loops["cycle_low"] == loops["cycle_high"] == 1.0
+    assert "all" not in loops  # one set: no "all" row repeating it
+    mixed = degeneracy.compare({"mbpp": _scored([0.2] * 8, cycles=(0, 1, 2))},
+                               {"mbpp": _scored([0.2] * 8, cycles=(3, 4))}, resamples=2000)
+    mixed = mixed["mbpp"]
+    assert mixed["cycles_a"] == 3 and mixed["cycles_b"] == 2
+    assert mixed["cycle_diff"] == pytest.approx(1 / 8)
+    assert mixed["cycle_low"] < 0 < mixed["cycle_high"]
     assert g["diff"] == pytest.approx(-0.4) and g["low"] == pytest.approx(-0.4)
     assert g["high"] == pytest.approx(-0.4)
     m = cmp["mbpp"]
@@ -393,7 +409,9 @@ def test_degeneracy_compare(tmp_path, capsys):
             json.dump({"config": name, "dtype": "float32", "sets": sets}, f)
     assert degeneracy.main(["--compare", *paths, "--resamples", "500"]) == 0
     printed = capsys.readouterr().out
-    assert "| gsm8k | 5 | 1 / 0 | 0.500 / 0.900 | -0.400 [-0.400, -0.400] |" in printed
+    assert "cycle share A - B [95%]" in printed
+    assert ("| gsm8k | 5 | 1 / 0 | +0.200 [+0.000, +0.600] | 0.500 / 0.900 "
+            "| -0.400 [-0.400, -0.400] |") in printed
     assert degeneracy.main(["--compare", *paths, "--resamples", "500", "--skip", "3"]) == 0
     printed = capsys.readouterr().out
     assert "first 3 prompts left out" in printed and "| gsm8k | 3 | 0 / 0 |" in printed

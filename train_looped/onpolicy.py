@@ -374,13 +374,12 @@ def build(student: str, out: pathlib.Path, *, prompts: int = 400, mix: str = "ba
                                   max_new_tokens=max_new_tokens)
         answers.update(zip(idx, res.tokens))
         log(f"answered {min(b + batch_size, len(order))}/{len(order)}")
+    answered = [list(answers[i]) for i in range(len(items))]  # in the prompts' order
     sep = corpus.separator_id(engine.tokenizer)
-    stream = np.concatenate([np.asarray(encoded[i] + list(answers[i]) + [sep], np.int32)
-                             for i in range(len(items))])
-    pieces = ([[engine.decode([t]) for t in answers[i]] for i in range(len(items))]
-              if mark_redefinitions else None)
-    repeats = repeat_marks([kind for kind, _, _ in items], encoded,
-                           [list(answers[i]) for i in range(len(items))], repeat_ngram,
+    stream = np.concatenate([np.asarray(e + a + [sep], np.int32)
+                             for e, a in zip(encoded, answered)])
+    pieces = [[engine.decode([t]) for t in a] for a in answered] if mark_redefinitions else None
+    repeats = repeat_marks([kind for kind, _, _ in items], encoded, answered, repeat_ngram,
                            cycles=mark_cycles, answer_pieces=pieces)
     out.mkdir(parents=True, exist_ok=True)
     np.save(out / "onpolicy.npy", stream)
@@ -388,11 +387,11 @@ def build(student: str, out: pathlib.Path, *, prompts: int = 400, mix: str = "ba
     with open(out / "onpolicy.jsonl", "w") as f:
         for i, (kind, text, chat) in enumerate(items):
             f.write(json.dumps({"kind": kind, "chat": chat, "prompt": text,
-                                "answer": engine.decode(answers[i])}) + "\n")
+                                "answer": engine.decode(answered[i])}) + "\n")
     record = {"student": str(student), "mix": mix, "prompts": counts,
               "max_new_tokens": max_new_tokens,
               "seed": seed, "tokens": int(stream.size),
-              "answer_tokens": int(sum(len(a) for a in answers.values())),
+              "answer_tokens": int(sum(len(a) for a in answered)),
               "repeat_ngram": repeat_ngram, "prose_kinds": list(PROSE_KINDS),
               "cycle_marks": mark_cycles, "redefinition_marks": mark_redefinitions,
               "repeated_tokens": int(repeats.sum()),
