@@ -43,7 +43,7 @@ RESULTS = os.path.join(common.REPO, "benchmarks", "results")
 LLAMA_PRESETS = ("smollm2_135m", "llama7b", "llama13b", "codellama7b", "codellama13b",
                  "codellama34b", "llama70b")
 LOOPED = (("tiny_ouro", None), ("tiny_raven", None), ("smol_loop", None), ("smol_loop_r2", None),
-          ("smol_loop_2x2", None),
+          ("smol_loop_2x2", None), ("smol_loop_2x4", None),
           ("ouro_1p4b", "tiny_ouro"), ("huginn_0125", "tiny_raven"))
 # (preset, the model its loop counts come from: None, its own committed suite run)
 SETTINGS = (("ar", ()), ("lookahead", (("W", 15), ("N", 5), ("G", 15))),

@@ -222,7 +222,7 @@ def test_student_states_are_the_recursive_models(teacher):
     s = distill.student_states(teacher, block, h0, tokens, cfg.num_loops)
     coda_from = cfg.prelude_layers + cfg.replaced_layers
     want = distill.readout_logits(teacher, coda_from, s, tokens)
-    model = from_llama(teacher, distill.model_config(cfg, teacher.config))
+    model = from_llama(teacher, distill.model_config(cfg.layout, teacher.config))
     nnx.update(model.core_block, nnx.state(block, nnx.Param))
     pos = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
     got, _ = model.loop_logits(tokens, pos)

@@ -215,7 +215,7 @@ def test_shipped_block_takes_the_base_models_tokenizer(tmp_path):
     from lookahead_jax.store.tokenizer import encode_prompt, load_tokenizer  # noqa: PLC0415
     _skip_unless_shipped("smol_loop_2x2")
     preset = load_preset("smol_loop_2x2")
-    for name in ("smol_loop", "smol_loop_r2", "smol_loop_2x2"):
+    for name in ("smol_loop", "smol_loop_r2", "smol_loop_2x2", "smol_loop_2x4"):
         assert not has_tokenizer_files(load_preset(name).checkpoint), name
     _, tok, _ = load_model_and_tokenizer(preset)
     base = load_tokenizer(smollm2_gguf(download=False))
@@ -233,14 +233,14 @@ def test_shipped_block_takes_the_base_models_tokenizer(tmp_path):
 
 
 @pytest.mark.parametrize("name,margin", [("smol_loop", 0.1), ("smol_loop_r2", 0.05),
-                                         ("smol_loop_2x2", 0.05)])
+                                         ("smol_loop_2x2", 0.05), ("smol_loop_2x4", 0.1)])
 def test_shipped_smol_loop_writes_text_and_uses_its_loops(name, margin):
     """The shipped model loads over the GGUF, its last loop predicts a fixed prose passage
     better than its first (by more than `margin` nats; smol_loop_r2 reads 3.52 -> 3.45 here, and
     on the 24 held-out windows of checkpoints/README.md smol_loop gains 0.57, smol_loop_r2
-    0.105, smol_loop_2x2 0.198) and its greedy chat reply is words, which LoopSpec and LoopAhead
-    (no drafter) reproduce, and so does LoopAhead with the model's shipped drafter,
-    checkpoints/<name>_lad (the suite checks them on more prompts: benchmarks/results)."""
+    0.105, smol_loop_2x2 0.198, smol_loop_2x4 0.239) and its greedy chat reply is words, which
+    LoopSpec and LoopAhead (no drafter) reproduce, and so does LoopAhead with the model's shipped
+    drafter, checkpoints/<name>_lad (the suite checks them on more prompts: benchmarks/results)."""
     engine = _shipped(name)
     tok = engine.tokenizer
     model = nnx.merge(engine.graphdef, engine.params)

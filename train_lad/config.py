@@ -123,6 +123,8 @@ CONFIGS = {
     # the same drafter for SmolLM2 with one layer looped twice, and with two (loop-1 states)
     "smol_loop_r2": for_preset("smol_loop_r2", "smol_loop_r2", **_SMOL),
     "smol_loop_2x2": for_preset("smol_loop_2x2", "smol_loop_2x2", **_SMOL),
+    # ... and for that block halved and looped four times (R = 4, loop-1 states)
+    "smol_loop_2x4": for_preset("smol_loop_2x4", "smol_loop_2x4", **_SMOL),
     # Raven's residual head: the shipped depth-2 drafter, frozen, drafting from loop 4's states
     # (better native proposals) through a 64-wide residual head trained on them
     "tiny_raven_r4": for_preset("tiny_raven_r4", "tiny_raven", draft_depth=4, residual=64,

@@ -99,6 +99,16 @@ CHAT_SOURCES = ("gsm8k", "pyfaq")
 
 
 @dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the block sits in the teacher: after `prelude_layers`, in place of the next
+    `replaced_layers`, `core_layers` layers run `num_loops` times."""
+    prelude_layers: int
+    replaced_layers: int
+    core_layers: int
+    num_loops: int
+
+
+@dataclasses.dataclass(frozen=True)
 class DistillConfig:
     base: str = "smollm2_135m"         # the teacher's preset (the embedded GGUF)
     prelude_layers: int = 12
@@ -165,6 +175,11 @@ class DistillConfig:
             raise ValueError("unlikelihood_cycles needs unlikelihood_weight > 0")
         if self.unlikelihood_redefinitions and not self.unlikelihood_weight:
             raise ValueError("unlikelihood_redefinitions needs unlikelihood_weight > 0")
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.prelude_layers, self.replaced_layers, self.core_layers,
+                      self.num_loops)
 
     @property
     def teacher_depths(self) -> list[int]:
@@ -517,7 +532,7 @@ def train(cfg: DistillConfig, workdir: pathlib.Path, *, progress: bool = True,
     if restored is not None:
         state = restored
     total = planned_total(state.total_steps, cfg.steps)
-    evaluate = functools.partial(evaluate_block, teacher, graphdef, cfg)
+    evaluate = functools.partial(evaluate_block, teacher, graphdef, cfg.layout)
     log = open(workdir / "metrics.jsonl", "a")
     bar = None
     if progress:
@@ -601,7 +616,7 @@ def train(cfg: DistillConfig, workdir: pathlib.Path, *, progress: bool = True,
     return state, final, tok
 
 
-def evaluate_block(teacher, graphdef, cfg: DistillConfig, params, rows) -> dict:
+def evaluate_block(teacher, graphdef, cfg: Layout, params, rows) -> dict:
     """Held-out figures of the block `params` on rows [N, T+1]: per-depth cross-entropy, top-1
     agreement with the teacher and with the full depth, and the teacher's own cross-entropy."""
     import jax  # noqa: PLC0415
@@ -738,7 +753,7 @@ def main(argv) -> int:
     return 0
 
 
-def model_config(cfg: DistillConfig, teacher_cfg):
+def model_config(cfg: Layout, teacher_cfg):
     """The recursive model's LoopedConfig: the teacher's shape, cfg's stages."""
     from models.config import LoopedConfig  # noqa: PLC0415
     t = teacher_cfg
@@ -782,8 +797,8 @@ def export(cfg: DistillConfig, state, workdir: pathlib.Path, out: pathlib.Path) 
     from train_looped.corpus import separator_id  # noqa: PLC0415
     held = heldout_rows(prepare_data(tok, "heldout", cfg, workdir / "data", separator_id(tok)),
                         cfg)
-    table = evaluate_block(teacher, graphdef, cfg, rounded, held)
-    model = from_llama(teacher, model_config(cfg, teacher.config))
+    table = evaluate_block(teacher, graphdef, cfg.layout, rounded, held)
+    model = from_llama(teacher, model_config(cfg.layout, teacher.config))
     nnx.update(model.core_block, rounded)
     gguf = smollm2_gguf()
     manifest = json.loads((corpus.corpus_dir() / "manifest.json").read_text())
