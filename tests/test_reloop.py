@@ -1,5 +1,5 @@
 """train_looped.reloop: a distilled block run more times, its output projections scaled by old
-R / new R. The scaling touches exactly the output projections (a block copied at out_scale s
+R / new R (`distill.scale_outputs`). The scaling touches exactly the output projections (a block copied at out_scale s
 and scaled by f is the block copied at s * f); the source must be a distilled export; the shipped
 smol_loop_2x4 is exactly smol_loop_2x2's block halved, run four times in the same place."""
 
@@ -28,8 +28,11 @@ def test_scaling_touches_exactly_the_output_projections():
                                 bos_token_id=1, eos_token_ids=(2,)), rngs=nnx.Rngs(0))
     cfg = DistillConfig(prelude_layers=1, replaced_layers=2, core_layers=2, num_loops=2,
                         out_scale=0.5, loop_weights=(1.0, 1.0))
-    params = nnx.state(distill.init_block(teacher, cfg), nnx.Param)
-    got = reloop.scaled(params, 0.5)
+    block = distill.init_block(teacher, cfg)
+    params = nnx.state(block, nnx.Param)
+    params = jax.tree.map(np.asarray, params)  # a copy: scale_outputs works in place
+    distill.scale_outputs(block, 0.5)
+    got = nnx.state(block, nnx.Param)
     want = nnx.state(distill.init_block(teacher, DistillConfig(
         prelude_layers=1, replaced_layers=2, core_layers=2, num_loops=2, out_scale=0.25,
         loop_weights=(1.0, 1.0))), nnx.Param)

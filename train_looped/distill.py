@@ -406,10 +406,23 @@ def init_block(teacher, cfg: DistillConfig):
                       for _ in range(cfg.core_layers)])
     src = nnx.List([teacher.layers[cfg.prelude_layers + i] for i in range(cfg.core_layers)])
     nnx.update(block, nnx.state(src, nnx.Param))
+    scale_outputs(block, cfg.out_scale)
+    return block
+
+
+def scale_outputs(block, factor: float) -> None:
+    """Multiplies, in place, each layer's output projections (attention o_proj, MLP down_proj)
+    by factor: what a layer adds to the residual stream scales with them."""
     for layer in block:
         for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
-            proj.kernel[...] = proj.kernel[...] * cfg.out_scale
-    return block
+            proj.kernel[...] = proj.kernel[...] * factor
+
+
+def as_shipped(params):
+    """params (float32) rounded through bfloat16, the dtype a block is exported in."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), params)
 
 
 def output_kl(teacher_logits, student_logits):
@@ -777,8 +790,6 @@ def export(cfg: DistillConfig, state, workdir: pathlib.Path, out: pathlib.Path) 
     (`lookahead_jax.store.checkpoint.load_model_and_tokenizer`)."""
     import shutil  # noqa: PLC0415
 
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
     import ml_dtypes  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
@@ -790,8 +801,7 @@ def export(cfg: DistillConfig, state, workdir: pathlib.Path, out: pathlib.Path) 
     from train_looped import corpus  # noqa: PLC0415
 
     teacher, tok, _ = load_model_and_tokenizer(load_preset(cfg.base))
-    rounded = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16).astype(jnp.float32),
-                           state.params)
+    rounded = as_shipped(state.params)
     block = init_block(teacher, cfg)
     graphdef, _ = nnx.split(block, nnx.Param)
     from train_looped.corpus import separator_id  # noqa: PLC0415

@@ -50,21 +50,8 @@ def source_config(src: pathlib.Path):
     return config, DistillConfig(**kw)
 
 
-def scaled(params, factor: float):
-    """params with every output projection kernel (o_proj, down_proj) times factor."""
-    import jax  # noqa: PLC0415
-
-    def one(path, x):
-        names = {str(getattr(k, "key", getattr(k, "name", k))) for k in path}
-        return x * factor if names & {"o_proj", "down_proj"} and "kernel" in names else x
-
-    return jax.tree_util.tree_map_with_path(one, params)
-
-
 def reloop(src: pathlib.Path, num_loops: int, out: pathlib.Path, workdir: pathlib.Path) -> dict:
     """Writes the re-looped model to `out`; returns its record (also in config.json)."""
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
     import ml_dtypes  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
@@ -80,12 +67,12 @@ def reloop(src: pathlib.Path, num_loops: int, out: pathlib.Path, workdir: pathli
     config, cfg = source_config(src)
     start = time.perf_counter()
     teacher, tok, _ = load_model_and_tokenizer(load_preset(cfg.base))
-    params = distill.start_block(dataclasses.replace(cfg, init_from=str(src)))
+    block = distill.init_block(teacher, cfg)
+    nnx.update(block, distill.start_block(dataclasses.replace(cfg, init_from=str(src))))
     factor = cfg.num_loops / num_loops
-    new = scaled(params, factor)
-    # The shipped block is bfloat16: evaluate what is shipped.
-    new = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), new)
-    graphdef, _ = nnx.split(distill.init_block(teacher, cfg), nnx.Param)
+    distill.scale_outputs(block, factor)
+    graphdef, new = nnx.split(block, nnx.Param)
+    new = distill.as_shipped(new)  # the shipped block is bfloat16: evaluate what is shipped
     held = distill.heldout_rows(distill.prepare_data(tok, "heldout", cfg, workdir / "data",
                                                      separator_id(tok)), cfg)
     layout = dataclasses.replace(cfg.layout, num_loops=num_loops)
