@@ -39,6 +39,8 @@ _EXPORTS = {
     "Lookahead": "lookahead_jax.lookahead.step",
     "LoopSpec": "lookahead_jax.looped.loopspec",
     "LoopAhead": "lookahead_jax.looped.loopahead",
+    "LadDrafter": "lookahead_jax.looped.drafter",
+    "DrafterModelWarning": "lookahead_jax.looped.drafter",
     "SlotEngine": "lookahead_jax.serving.slots",
     "SlotRequest": "lookahead_jax.serving.slots",
 }

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 from lookahead_jax.generation import cache_length_for, pad_prompts
 from lookahead_jax.lookahead.config import LookaheadConfig
+from lookahead_jax.looped.drafter import check_drafter_model, params_digest
 from lookahead_jax.mesh import (MeshShape, make_mesh, mesh_shape, put_global, shard_cache,
                                 shard_params, state_shardings, to_host, host_state)
 from lookahead_jax.method import Method
@@ -168,6 +169,7 @@ class Engine:
         self.devices = devices  # lookahead parallelism over this many local devices (1 = off)
         self.compiler_options = check_compiler_options(compiler_options)
         self._compiled: dict = {}
+        self._digest: str | None = None  # params_digest of the model, when a drafter asks
 
     def _init_cache(self, batch: int, max_len: int, dtype):
         cache = self._model_cache(batch, max_len, dtype)
@@ -206,7 +208,18 @@ class Engine:
                         "devices": self.devices, **settings}
             if self.mesh is not None and settings["devices"] > 1:
                 settings["mesh"] = self.mesh
-        return build_method(name, sampling=sampling, model_config=self.config, **settings)
+        return self.check_drafter(build_method(name, sampling=sampling,
+                                               model_config=self.config, **settings))
+
+    def check_drafter(self, method: Method) -> Method:
+        """`method`, after warning (`DrafterModelWarning`) when its drafter records a looped
+        model other than this engine's (`drafter.check_drafter_model`; the digest of this
+        engine's parameters is computed once, on the first method with such a drafter)."""
+        if getattr(getattr(method, "drafter", None), "base_digest", None) is not None:
+            if self._digest is None:
+                self._digest = params_digest(nnx.merge(self.graphdef, self.params))
+            check_drafter_model(method.drafter, self._digest, "this engine's model")
+        return method
 
     def resolve_method(self, method: str | Method | None, sampling: Sampling | None,
                        lookahead: LookaheadConfig | None = None) -> Method:
@@ -221,7 +234,7 @@ class Engine:
                 raise ConfigError("lookahead settings apply to a method name, not to a "
                                   "method instance (it carries its own config)")
             method.check(self.config)
-            return method
+            return self.check_drafter(method)
         if method is not None and not isinstance(method, str):
             raise ConfigError(f"method must be a name or a Method, got {method!r}")
         settings = {} if lookahead is None else {"lookahead": lookahead}

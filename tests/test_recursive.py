@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -259,7 +260,16 @@ def test_shipped_smol_loop_writes_text_and_uses_its_loops(name, margin):
     words = tok.decode(plain.tokens[0])
     assert sum(w.isalpha() for w in words.split()) >= 3, words
     from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
+    from lookahead_jax.looped.drafter import DrafterModelWarning, params_digest  # noqa: PLC0415
     lad = load_preset(name).checkpoint.rstrip("/") + "_lad"
-    for method in ("loopspec", "loopahead", engine.build_method("loopahead", lad=lad)):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DrafterModelWarning)  # it records this very model
+        drafted = engine.build_method("loopahead", lad=lad)
+    assert drafted.drafter.base_digest == params_digest(model)
+    for method in ("loopspec", "loopahead", drafted):
         got = engine.generate_ids([prompt], method=method, max_new_tokens=16)
         assert got.tokens == plain.tokens, method
+    if name == "smol_loop_2x4":  # smol_loop's drafter has this model's shape, not its weights
+        with pytest.warns(DrafterModelWarning):
+            engine.build_method("loopahead", lad=os.path.join(REPO, "checkpoints",
+                                                              "smol_loop_lad"))

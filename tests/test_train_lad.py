@@ -25,7 +25,8 @@ from test_looped import CONFIGS, _perturb_norms  # noqa: E402
 from train_lad import config as lad_config
 from train_lad import data as lad_data
 from lookahead_jax.looped.drafter import (DrafterShape, LadDrafter, LookaheadDrafter,
-                                          load_drafter_file, save_drafter_file)
+                                          load_drafter_file, params_digest,
+                                          save_drafter_file)
 from train_lad.main import base_fingerprint, load_base_model, run
 from train_lad.train import evaluate, targets
 
@@ -136,6 +137,7 @@ def test_train_select_resume(model, tmp_path):
     drafter = LadDrafter.load(tmp_path / "full", model.config)
     assert (drafter.K, drafter.head, drafter.arch, drafter.draft_depth) == (2, "vocab",
                                                                              "heads", 1)
+    assert drafter.base_digest == params_digest(model)  # it records the model it drafts for
     # calibrated for sampling on the development split
     assert drafter.calibration.table.shape == (3, 2, 10) and "calibration" in full
     assert len(drafter.params["vocab"]) <= 64
@@ -549,7 +551,8 @@ def test_model_head_scores_the_request_tokens(model, tmp_path):
 def test_shipped_lad_configs_match_their_presets(name):
     """Each drafter config fits the looped model its preset ships (checkpoints/<name>), and
     the same check refuses a model of another shape; its shape is the preset's (written
-    once). (smol_loop and smol_loop_2x4 have one shape: the check cannot tell them apart.)"""
+    once). (smol_loop and smol_loop_2x4 have one shape: the check cannot tell them apart; the
+    drafter file's base_digest can, test_recursive.)"""
     from lookahead_jax.store.presets import load_preset  # noqa: PLC0415
     cfg = lad_config.get(name)
     model = load_preset(cfg.model_preset).model

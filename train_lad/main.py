@@ -32,17 +32,16 @@ import os
 import pathlib
 import sys
 
-import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
-from flax import nnx
 
 from lookahead_jax.store.model_store import default_cache_dir
 from models.config import ConfigError
 from train_lad import config as lad_config
 from train_lad import data as lad_data
 from train_lad.data import load_base_model, split_prompts
-from lookahead_jax.looped.drafter import DRAFTER_FILE
+from lookahead_jax.looped.drafter import DRAFTER_FILE, params_digest
 from train_lad.train import check_workdir, train
 
 FLAGS = flags.FLAGS
@@ -69,15 +68,11 @@ def define_flags() -> None:
 
 
 def base_fingerprint(model) -> dict:
-    """The frozen model's identity: its config fields and a digest of its parameters."""
+    """The frozen model's identity: its config fields and a digest of its parameters (in
+    float32: the exact model the teacher data were made with)."""
     cfg = model.config
-    h = hashlib.sha256()
-    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)),
-                             key=lambda kv: jax.tree_util.keystr(kv[0])):
-        h.update(jax.tree_util.keystr(path).encode())
-        h.update(np.asarray(leaf, np.float32).tobytes())
     fields = {f: getattr(cfg, f) for f in ("family", "hidden_size", "vocab_size", "num_loops")}
-    return {**fields, "params_sha256": h.hexdigest()[:16]}
+    return {**fields, "params_sha256": params_digest(model, jnp.float32)}
 
 
 def build_data(cfg: lad_config.LadConfig, model, tokenizer, workdir: pathlib.Path,
@@ -190,7 +185,8 @@ def run(cfg: lad_config.LadConfig, workdir, *, ckpt: str | None = None, log=prin
     if cfg.head == "model" or cfg.anchor == "model":
         from lookahead_jax.looped.drafter import output_embedding  # noqa: PLC0415
         out_embedding = np.asarray(output_embedding(model), np.float32)
-    summary = train(cfg, data, vocab, workdir, base_fingerprint=fingerprint, log=log,
+    summary = train(cfg, data, vocab, workdir, base_fingerprint=fingerprint,
+                    base_digest=params_digest(model), log=log,
                     progress_bar=progress_bar, max_steps_now=max_steps_now,
                     out_embedding=out_embedding, export_dtype=export_dtype,
                     backbone=backbone)

@@ -218,7 +218,8 @@ def check_workdir(workdir, base_fingerprint: dict) -> None:
 def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdir, *,
           base_fingerprint: dict, log=print, progress_bar: bool = True,
           max_steps_now: int | None = None, out_embedding: np.ndarray | None = None,
-          export_dtype: str | None = None, backbone=None) -> dict:
+          export_dtype: str | None = None, backbone=None,
+          base_digest: str | None = None) -> dict:
     """Trains (or resumes) a drafter on `data` (split -> tokens/states/native arrays).
 
     base_fingerprint: what identifies the frozen model (its config and a weights digest);
@@ -231,6 +232,7 @@ def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdi
     given: the confirmation split is then scored with the parameters rounded to it, as
     decoding will load them). backbone: a loaded `LadDrafter` whose network is frozen
     under a residual head (cfg.residual > 0; its draft vocabulary replaces draft_vocab).
+    base_digest: the frozen model's `params_digest`, recorded in the drafter file.
     Returns a summary dict."""
     if bool(cfg.residual) != (backbone is not None):
         raise ConfigError(f"lad config {cfg.name}: a residual head is trained over a backbone "
@@ -338,7 +340,8 @@ def train(cfg: LadConfig, data: dict[str, dict], draft_vocab: np.ndarray, workdi
         save_drafter_file(drafter, nnx.merge(graphdef, best_params, frozen), draft_vocab,
                           draft_depth=cfg.draft_depth, model_family=cfg.model_family,
                           model_loops=cfg.model_loops, dtype=export_dtype,
-                          backbone_depth=None if backbone is None else backbone.draft_depth)
+                          backbone_depth=None if backbone is None else backbone.draft_depth,
+                          base_digest=base_digest)
         summary["export_dtype"] = export_dtype or "float32"
         log(f"drafter (step {prog.best_step}): {drafter}")
     if "confirm" in data and len(data["confirm"]["tokens"]):

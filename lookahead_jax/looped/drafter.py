@@ -60,14 +60,18 @@ and `draft_vocab` (int32 ids in the looped model's vocabulary). Metadata (string
 holds a "heads" drafter, one without `anchor` a "table" one, one without `residual` no residual
 head) and the looped model it drafts for (`model_family`, `model_loops`, and `draft_depth`: the
 loop whose states feed it; with a residual head also `backbone_depth`, the loop the rest of the
-network was trained on). Optional tensors `calibration` [T, K, bins] and
-`calibration_temperatures` [T] hold the drafter's `Calibration`.
+network was trained on). Optional: `base_digest`, the `params_digest` of the looped model it was
+trained on (decoding with another model warns, `check_drafter_model`; files written before it
+have none), and the tensors `calibration` [T, K, bins] and `calibration_temperatures` [T], the
+drafter's `Calibration`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -319,7 +323,8 @@ class LadDrafter:
     part of the method; the parameters travel as arrays through `LoopAhead.params()`)."""
 
     def __init__(self, model: LookaheadDrafter, draft_vocab: np.ndarray, *, draft_depth: int = 1,
-                 backbone_depth: int | None = None, calibration: Calibration | None = None):
+                 backbone_depth: int | None = None, calibration: Calibration | None = None,
+                 base_digest: str | None = None):
         self.graphdef, params = nnx.split(model)
         self.params = {"net": params, "vocab": jnp.asarray(draft_vocab, jnp.int32)}
         if calibration is not None:
@@ -336,6 +341,8 @@ class LadDrafter:
         self.draft_depth = int(draft_depth)
         # the loop the network but its residual head was trained on (draft_depth without one)
         self.backbone_depth = int(backbone_depth or draft_depth)
+        # the `params_digest` of the looped model it was trained on (None: not recorded)
+        self.base_digest = base_digest
 
     def draft(self, params, states, anchors, positions, mask, *, extra_ids=None,
               out_embedding=None, with_confidence: bool = False):
@@ -402,6 +409,7 @@ DRAFTER_FILE = "drafter.safetensors"  # its name in a train_lad workdir
 _SHAPE_META = ("state_size", "vocab_size", "hidden_size", "num_layers", "num_heads", "K")
 _MODEL_META = ("draft_depth", "model_loops")
 VOCAB_TENSOR = "draft_vocab"
+BASE_META = "base_digest"
 CAL_TENSOR, CAL_TEMPS_TENSOR = "calibration", "calibration_temperatures"
 
 
@@ -412,14 +420,16 @@ def _tensor_name(path) -> str:
 def save_drafter_file(path, net: LookaheadDrafter, draft_vocab, *, draft_depth: int,
                       model_family: str, model_loops: int, dtype=None,
                       backbone_depth: int | None = None,
-                      calibration: Calibration | None = None) -> None:
+                      calibration: Calibration | None = None,
+                      base_digest: str | None = None) -> None:
     """Writes the drafter network `net`, its draft vocabulary (ids in the looped model's
     vocabulary, one per draft-vocabulary column) and the looped model it drafts for (family,
     loop count, and draft_depth: the loop whose states feed it) to the safetensors file `path`
     (replaced atomically). Format: the module docstring. dtype (e.g. "float16"): the
     parameters are stored in it (half the file; loading casts them to the network's dtype).
     backbone_depth: with a residual head, the loop its backbone was trained on. calibration:
-    the drafter's `Calibration`, stored (float32) when given."""
+    the drafter's `Calibration`, stored (float32) when given. base_digest: the `params_digest`
+    of the looped model it was trained on."""
     shape = net.shape
     if shape.residual and backbone_depth is None:
         raise ValueError("a drafter with a residual head needs its backbone_depth")
@@ -450,6 +460,8 @@ def save_drafter_file(path, net: LookaheadDrafter, draft_vocab, *, draft_depth: 
             raise ValueError(f"backbone_depth must be in [1, {model_loops}), got "
                              f"{backbone_depth}")
         meta["backbone_depth"] = str(int(backbone_depth))
+    if base_digest is not None:
+        meta[BASE_META] = _checked_digest(base_digest)
     path = os.fspath(path)
     tmp = f"{path}.tmp"
     save_file(tensors, tmp, metadata=meta)
@@ -459,16 +471,32 @@ def save_drafter_file(path, net: LookaheadDrafter, draft_vocab, *, draft_depth: 
 def add_calibration(path, calibration: Calibration) -> None:
     """Stores `calibration` in the drafter file `path` (replacing any it held), every other
     tensor and metadata field as they were (replaced atomically)."""
+    def update(tensors, meta):
+        k = int(meta.get("K", -1))
+        if calibration.table.shape[1] != k:
+            raise ValueError(f"calibration: a table for K = {calibration.table.shape[1]}, the "
+                             f"drafter in {path} drafts {k}")
+        tensors[CAL_TENSOR] = np.asarray(calibration.table, np.float32)
+        tensors[CAL_TEMPS_TENSOR] = np.asarray(calibration.temperatures, np.float32)
+    _rewrite(path, update)
+
+
+def set_base_digest(path, digest: str) -> None:
+    """Records in the drafter file `path` the `params_digest` of the looped model it was
+    trained on (replacing any it held), every tensor and other metadata field as they were
+    (replaced atomically)."""
+    digest = _checked_digest(digest)
+    _rewrite(path, lambda tensors, meta: meta.__setitem__(BASE_META, digest))
+
+
+def _rewrite(path, update) -> None:
+    """The drafter file `path` read, changed in place by update(tensors, metadata), written
+    back atomically."""
     path = os.fspath(path)
     with safe_open(path, "numpy") as f:
         meta = dict(f.metadata() or {})
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    k = int(meta.get("K", -1))
-    if calibration.table.shape[1] != k:
-        raise ValueError(f"calibration: a table for K = {calibration.table.shape[1]}, the "
-                         f"drafter in {path} drafts {k}")
-    tensors[CAL_TENSOR] = np.asarray(calibration.table, np.float32)
-    tensors[CAL_TEMPS_TENSOR] = np.asarray(calibration.temperatures, np.float32)
+    update(tensors, meta)
     tmp = f"{path}.tmp"
     save_file(tensors, tmp, metadata=meta)
     os.replace(tmp, path)
@@ -563,8 +591,13 @@ def load_drafter_file(path, model_config=None) -> LadDrafter:
                               f"its drafter's shape needs {tuple(spec.shape)}")
         flat.append((p, v.replace(jnp.asarray(got, spec.dtype))))
     net = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    base_digest = meta.get(BASE_META)
+    if base_digest is not None and not _is_digest(base_digest):
+        raise ConfigError(f"drafter file {path}: metadata {BASE_META} is {base_digest!r}, "
+                          f"expected {DIGEST_CHARS} hex digits (a params_digest)")
     return LadDrafter(net, vocab.astype(np.int32), draft_depth=ints["draft_depth"],
-                      backbone_depth=extra_ints.get("backbone_depth"), calibration=calibration)
+                      backbone_depth=extra_ints.get("backbone_depth"), calibration=calibration,
+                      base_digest=base_digest)
 
 
 def check_drafter_fits(source: str, family: str, state_size: int, vocab_size: int,
@@ -585,3 +618,52 @@ def check_drafter_fits(source: str, family: str, state_size: int, vocab_size: in
         raise ConfigError(f"drafter {source} does not match the decoding model: num_loops is "
                           f"{model_config.num_loops}, the drafter's draft_depth "
                           f"{draft_depth} must be below it")
+
+
+# -- which model a drafter was trained on ------------------------------------------------------
+
+DIGEST_CHARS = 16  # hex digits of a params_digest
+
+
+class DrafterModelWarning(UserWarning):
+    """A drafter is used with a looped model other than the one it was trained on."""
+
+
+def params_digest(model, dtype=jnp.bfloat16) -> str:
+    """A digest of `model`'s parameters (its `nnx.Param`s): sha256 over each one's path and its
+    values cast to dtype, in path order; the first 16 hex digits. bfloat16, the default and what
+    a drafter file records, gives the same digest whether a checkpoint is loaded in float32 or
+    bfloat16. Costs one pass over the parameters (about a second for 135M on a CPU)."""
+    h = hashlib.sha256()
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+    for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
+        h.update(jax.tree_util.keystr(path).encode())
+        h.update(np.asarray(jnp.asarray(leaf, dtype)).tobytes())
+    return h.hexdigest()[:DIGEST_CHARS]
+
+
+def check_drafter_model(drafter, digest: str, source: str = "the decoding model") -> bool:
+    """True when `drafter` (a LadDrafter) records no base model or records `digest` (the
+    decoding model's `params_digest`); otherwise warns (DrafterModelWarning) and returns False.
+    Decoding with another model's drafter stays exact, since full-depth verification decides
+    every token, but its drafts are guesses for a different model."""
+    want = getattr(drafter, "base_digest", None)
+    if want is None or want == digest:
+        return True
+    warnings.warn(DrafterModelWarning(
+        f"the drafter was trained on a looped model with parameter digest {want}; {source} has "
+        f"{digest}. Decoding stays exact (full-depth verification decides every token), but "
+        f"its drafts will rarely be accepted: use the drafter trained for this model"),
+        stacklevel=3)
+    return False
+
+
+def _is_digest(value) -> bool:
+    return (isinstance(value, str) and len(value) == DIGEST_CHARS
+            and all(c in "0123456789abcdef" for c in value))
+
+
+def _checked_digest(value) -> str:
+    if not _is_digest(value):
+        raise ValueError(f"a params_digest is {DIGEST_CHARS} lowercase hex digits, got {value!r}")
+    return value
