@@ -167,3 +167,29 @@ def test_stamp_command_line(tmp_path):
         lad).base_digest != "0123456789abcdef"
     bad = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and "error: --lad" in bad.stderr
+
+
+def test_calibrate_command_line(tmp_path):
+    """train_lad.calibrate, the other command over a written drafter (the same flags, through
+    train_lad.cli): it replaces the file's calibration with one at the given temperatures and
+    bins, keeps every other tensor and the recorded model, and fails clearly without --lad."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    lad = _copy_drafter(tmp_path)
+    before = LadDrafter.load(lad)
+    cmd = [sys.executable, "-m", "train_lad.calibrate", "--config=tiny_ouro"]
+    got = subprocess.run([*cmd, f"--lad={lad}", "--temperatures=0.9", "--bins=4"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    assert list(json.loads(got.stdout.splitlines()[-1])["mean_match"]) == ["0.9"]
+    after = LadDrafter.load(lad)
+    assert after.calibration.temperatures.tolist() == [np.float32(0.9)]
+    assert after.calibration.table.shape == (1, before.calibration.table.shape[1], 4)
+    assert after.base_digest == before.base_digest
+    kept = {k: v for k, v in before.params.items() if k != "calibration"}
+    assert set(after.params) == {*kept, "calibration"}
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(
+            {k: after.params[k] for k in kept})):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    bad = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and "error: --lad" in bad.stderr

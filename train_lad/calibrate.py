@@ -36,6 +36,7 @@ from flax import nnx
 from lookahead_jax.looped.drafter import (Calibration, LadDrafter, add_calibration,
                                           output_embedding)
 from models.config import ConfigError
+from train_lad.cli import define_drafter_flags, drafter_file
 from train_lad.data import depth_readout
 from train_lad.train import forward
 
@@ -124,11 +125,8 @@ def calibrate_drafter(cfg, model, drafter: LadDrafter, dev: dict, temperatures=T
 
 
 def define_flags() -> None:
-    if "lad" in FLAGS:
+    if not define_drafter_flags():
         return
-    flags.DEFINE_string("config", "tiny_ouro", "LAD config name (train_lad.config.CONFIGS).")
-    flags.DEFINE_string("lad", None, "The drafter: a drafter file or train_lad workdir.")
-    flags.DEFINE_string("ckpt", None, "Looped-model checkpoint overriding the config's.")
     flags.DEFINE_list("temperatures", [f"{t:g}" for t in TEMPERATURES], "Temperatures.")
     flags.DEFINE_integer("bins", BINS, "Confidence bins.")
 
@@ -136,14 +134,11 @@ def define_flags() -> None:
 def main(argv) -> int:
     del argv
     import json  # noqa: PLC0415
-    import os  # noqa: PLC0415
 
-    from lookahead_jax.looped.drafter import DRAFTER_FILE  # noqa: PLC0415
     from train_lad import config as lad_config  # noqa: PLC0415
     from train_lad.data import dev_split, load_base_model  # noqa: PLC0415
     try:
-        if not FLAGS.lad:
-            raise ConfigError("--lad (a drafter file or train_lad workdir) is required")
+        path = drafter_file(FLAGS.lad)
         cfg = lad_config.get(FLAGS.config)
         model, tokenizer = load_base_model(cfg, FLAGS.ckpt)
         drafter = LadDrafter.load(FLAGS.lad, model.config)
@@ -156,7 +151,6 @@ def main(argv) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    path = FLAGS.lad if not os.path.isdir(FLAGS.lad) else os.path.join(FLAGS.lad, DRAFTER_FILE)
     add_calibration(path, cal)
     print(json.dumps(info))
     print(f"calibrated {path}", file=sys.stderr)

@@ -21,21 +21,17 @@ import sys
 import jax.numpy as jnp
 from absl import app, flags
 
-from lookahead_jax.looped.drafter import (DRAFTER_FILE, LadDrafter, params_digest,
-                                          set_base_digest)
+from lookahead_jax.looped.drafter import LadDrafter, params_digest, set_base_digest
 from models.config import ConfigError
 from train_lad import config as lad_config
+from train_lad.cli import define_drafter_flags, drafter_file
 from train_lad.data import load_base_model
 
 FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    if "lad" in FLAGS:
-        return
-    flags.DEFINE_string("config", "tiny_ouro", "LAD config name (train_lad.config.CONFIGS).")
-    flags.DEFINE_string("lad", None, "The drafter: a drafter file or train_lad workdir.")
-    flags.DEFINE_string("ckpt", None, "Looped-model checkpoint overriding the config's.")
+    define_drafter_flags()
 
 
 def stamp(cfg: lad_config.LadConfig, lad: str, ckpt: str | None = None, model=None) -> dict:
@@ -45,16 +41,16 @@ def stamp(cfg: lad_config.LadConfig, lad: str, ckpt: str | None = None, model=No
     if model is None:
         model, _ = load_base_model(cfg, ckpt)
     LadDrafter.load(lad, model.config)  # readable, and fits the model's shape
-    path = os.path.join(lad, DRAFTER_FILE) if os.path.isdir(lad) else lad
+    path = drafter_file(lad)
     record_file = os.path.join(os.path.dirname(os.path.abspath(path)), "lad_config.json")
     record = None
     if os.path.isfile(record_file):
         record = json.loads(open(record_file).read()).get("base", {}).get("params_sha256")
-        if record is not None and record != params_digest(model, jnp.float32):
+        here = None if record is None else params_digest(model, jnp.float32)
+        if record is not None and record != here:
             raise ConfigError(f"{record_file}: the drafter's teacher data came from a model "
-                              f"with float32 digest {record}, not this one "
-                              f"({params_digest(model, jnp.float32)}): it was trained on "
-                              f"another model")
+                              f"with float32 digest {record}, not this one ({here}): it was "
+                              f"trained on another model")
     digest = params_digest(model)
     set_base_digest(path, digest)
     return {"drafter": path, "base_digest": digest,
@@ -66,8 +62,7 @@ def main(argv) -> int:
         print(f"error: unexpected arguments {' '.join(argv[1:])!r}", file=sys.stderr)
         return 2
     try:
-        if not FLAGS.lad:
-            raise ConfigError("--lad (a drafter file or train_lad workdir) is required")
+        drafter_file(FLAGS.lad)  # --lad given
         info = stamp(lad_config.get(FLAGS.config), FLAGS.lad, FLAGS.ckpt)
     except (ConfigError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
