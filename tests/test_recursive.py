@@ -273,3 +273,12 @@ def test_shipped_smol_loop_writes_text_and_uses_its_loops(name, margin):
         with pytest.warns(DrafterModelWarning):
             engine.build_method("loopahead", lad=os.path.join(REPO, "checkpoints",
                                                               "smol_loop_lad"))
+        # Raven's residual head on this model: the drafter above, frozen, drafting from loop
+        # 2's states through a trained residual head (feedback at depth 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DrafterModelWarning)
+            deeper = engine.build_method("loopahead", lad=os.path.join(
+                REPO, "checkpoints", "smol_loop_2x4_d2_lad"), r2=3)
+        assert (deeper.r1, deeper.r2, deeper.drafter.backbone_depth) == (2, 3, 1)
+        got = engine.generate_ids([prompt], method=deeper, max_new_tokens=16)
+        assert got.tokens == plain.tokens
