@@ -196,10 +196,9 @@ def split_prompts(cfg: LadConfig, tokenizer) -> dict[str, list[list[int]]]:
     counts = {"train": cfg.num_train, "dev": cfg.num_dev, "confirm": cfg.num_confirm}
     if cfg.prompt_source == "random" or tokenizer is None:
         return random_prompts(cfg.model_vocab, cfg.prompt_len, counts, cfg.seed)
-    from train_looped.corpus import corpus_dir, read_split  # noqa: PLC0415
+    from train_looped.corpus import corpus_dir, read_split, shared_data  # noqa: PLC0415
     docs = read_split(corpus_dir() / "train.jsonl")
-    repo = pathlib.Path(__file__).resolve().parent.parent
-    filt = EvalFilter(eval_prompts(repo.parent / "shared" / "data"))
+    filt = EvalFilter(eval_prompts(shared_data()))
     return corpus_prompts(tokenizer, docs, cfg.prompt_len, counts, filt)
 
 

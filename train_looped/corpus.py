@@ -167,8 +167,9 @@ def gsm8k_documents(path: str | os.PathLike) -> Iterator[Document]:
                 yield Document(f"gsm8k/{n}", "gsm8k", chat_text(item["question"], answer))
 
 
-def shared_data(name: str) -> pathlib.Path:
-    """The file `name` of `../shared/data` beside the repository (shared/data/SOURCES.md)."""
+def shared_data(name: str = "") -> pathlib.Path:
+    """The file `name` of `../shared/data` beside the repository (shared/data/SOURCES.md); the
+    folder itself without a name."""
     return pathlib.Path(__file__).resolve().parent.parent.parent / "shared" / "data" / name
 
 
